@@ -26,7 +26,7 @@ NO_DEPS_PACKAGES = {
 }
 
 
-class MissingPackageError(RuntimeError):
+class MissingPackageError(ConfigError):
     """A package installed with --no-deps is missing; the message gives the pip command."""
 
 
@@ -168,11 +168,42 @@ def load_tokenizer(target: ResolvedTarget):
     return tokenizer
 
 
+CPU_GQA_ATTENTION = "sdpa_gqa"
+
+
+def _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        **kwargs):
+    """SDPA with grouped-query attention kept grouped even under a padding mask.
+
+    query [B, H, Tq, D], key/value [B, KV, Tk, D], attention_mask bool [B, 1, Tq, Tk] or None.
+    transformers' own "sdpa" repeats K/V to H heads whenever a mask is present (CUDA kernels
+    need that); on CPU, torch's masked `enable_gqa` kernel gives identical results without the
+    copy, which was 44 % of a batched decoding step of SmolLM2-135M.
+    """
+    is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=is_causal, enable_gqa=query.shape[1] != key.shape[1])  # [B, H, Tq, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_cpu_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CPU_GQA_ATTENTION, _sdpa_gqa_attention)
+    AttentionMaskInterface.register(CPU_GQA_ATTENTION, sdpa_mask)
+
+
 def load_target(target: ResolvedTarget, dtype: str, device: torch.device):
     """The frozen target in evaluation mode on `device`."""
     from transformers import AutoModelForCausalLM
 
+    kwargs = {}
+    if device.type == "cpu":
+        _register_cpu_attention()
+        kwargs["attn_implementation"] = CPU_GQA_ATTENTION
     model = AutoModelForCausalLM.from_pretrained(target.path, revision=target.revision,
-                                                 dtype=getattr(torch, dtype))
+                                                 dtype=getattr(torch, dtype), **kwargs)
     model.requires_grad_(False)
     return model.eval().to(device)

@@ -1,10 +1,13 @@
 """Chat-template rendering and the assistant-token loss mask.
 
-The mask comes from the chat template itself, never from tokenizer-specific offsets: the tokens
-of assistant turn i are those that rendering messages[:i+1] adds after rendering messages[:i]
-with the generation prompt. Within that span the mask keeps the reply up to and including the
-end-of-turn token the target emitted; formatting the template adds after it (a newline) and an
-end-of-turn token the target never wrote (its reply hit max_new_tokens) stay out of the loss.
+The mask comes from the chat template itself, never from tokenizer-specific offsets. Rendering
+messages[:i] with the generation prompt and messages[:i+1] without it gives, as text, where
+assistant turn i starts and ends. The conversation is tokenized segment by segment at those
+boundaries, which is also how the target saw it while generating (prompt tokens, then its reply):
+a reply that starts with, say, a newline cannot merge into the template's markup. Within a reply
+segment the mask keeps the reply up to and including the end-of-turn token the target emitted;
+markup the template adds after it (a newline) and an end-of-turn token the target never wrote
+(its reply hit max_new_tokens) stay out of the loss.
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ class ChatTemplateError(ValueError):
     """The target's chat template does not render conversations as a growing prefix."""
 
 
+def render_text(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
     """Token ids of `messages` in the target's chat template (no extra special tokens)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(tokenizer, render_text(tokenizer, messages, add_generation_prompt))
 
 
 @dataclass
@@ -38,26 +48,33 @@ def tokenize_conversation(tokenizer, messages: list[Message], finished: list[boo
     finished[j] says whether the j-th assistant reply ended with an end-of-turn token (True) or
     was cut by max_new_tokens (False).
     """
-    input_ids = render(tokenizer, messages, add_generation_prompt=False)
-    loss_mask = [0] * len(input_ids)
+    full = render_text(tokenizer, messages, add_generation_prompt=False)
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
     assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if len(assistant_indices) != len(finished):
         raise ValueError(f"{len(assistant_indices)} assistant turns but {len(finished)} flags")
+    cursor = 0  # characters of `full` tokenized so far
     for i, done in zip(assistant_indices, finished):
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if upto[: len(prefix)] != prefix or input_ids[: len(upto)] != upto:
+        prefix = render_text(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (upto.startswith(prefix) and full.startswith(upto) and len(prefix) >= cursor):
             raise ChatTemplateError(
                 "the target's chat template does not render a conversation as a growing prefix "
-                f"(assistant turn {i} changes earlier tokens), so assistant tokens cannot be "
-                "located from it; use data.max_turns=1 or a target whose template keeps earlier "
-                "turns unchanged.")
-        span = range(len(prefix), len(upto))
-        end = next((t for t in span if input_ids[t] in end_of_turn_ids), None)
-        if end is None:  # template without an end-of-turn token: the whole span is the reply
-            stop = span.stop
+                f"(message {i}, an assistant turn, changes earlier text), so assistant tokens "
+                "cannot be located from it; use data.max_turns=1 or a target whose template "
+                "keeps earlier turns unchanged.")
+        markup = encode(tokenizer, full[cursor : len(prefix)])
+        reply = encode(tokenizer, full[len(prefix) : len(upto)])
+        end = next((t for t, token in enumerate(reply) if token in end_of_turn_ids), None)
+        if end is None:  # a template without an end-of-turn token: the whole span is the reply
+            stop = len(reply)
         else:
             stop = end + 1 if done else end
-        for t in range(span.start, stop):
-            loss_mask[t] = 1
+        input_ids += markup + reply
+        loss_mask += [0] * len(markup) + [1] * stop + [0] * (len(reply) - stop)
+        cursor = len(upto)
+    tail = encode(tokenizer, full[cursor:])
+    input_ids += tail
+    loss_mask += [0] * len(tail)
     return TokenizedConversation(input_ids, loss_mask)

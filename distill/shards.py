@@ -34,6 +34,9 @@ def schema(top_k: int) -> pa.Schema:
         ("loss_mask", pa.list_(pa.int8())),  # [T] 1 on tokens the target wrote
         ("num_turns", pa.int32()),
         ("generated_tokens", pa.int32()),
+        # replies whose decoded text re-encodes to other ids than the target generated (a reply
+        # cut inside a multi-byte character, a non-canonical merge); input_ids hold the re-encoding
+        ("retokenized_replies", pa.int32()),
         ("finish_reasons", pa.list_(pa.string())),  # per assistant turn: stop | length
     ]
     if top_k:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from assets.prompts import Conversation, is_held_out, select_prompts
 from assets.target import load_target, load_tokenizer, resolve_target
-from distill.chat import Message, render, tokenize_conversation
+from distill.chat import Message, encode, render, tokenize_conversation
 from distill.generate import end_of_turn_ids, generate_replies, topk_logprobs
 from distill.shards import (ShardWriter, identity_differences, read_columns, read_manifest,
                             shard_files, write_manifest)
@@ -56,7 +56,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     identity = _identity(cfg, target, tokenizer)
 
     manifest = read_manifest(out)
-    if manifest is not None:
+    if manifest is not None and shard_files(data_dir):
         diffs = identity_differences(manifest["identity"], identity)
         if diffs:
             raise OutputMismatchError(
@@ -66,12 +66,9 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         if manifest["status"] == "complete":
             log(f"[distill] {out} is already complete ({_describe(manifest)}); not redoing it.")
             return DistillSummary(out, manifest, 0)
-    elif shard_files(data_dir):
+    elif manifest is None and shard_files(data_dir):
         raise OutputMismatchError(f"{data_dir} holds shards but no manifest.json, so their "
                                   "origin is unknown: choose another run.output_dir or delete it.")
-    if accelerator.is_main_process:
-        write_manifest(out, {"status": "in_progress", "identity": identity})
-        cfg.save(out / "config.yaml")
 
     conversations, source_stats = select_prompts(cfg.data, cfg.run.seed)
     for st in source_stats:
@@ -82,6 +79,9 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         raise ConfigError(f"none of the {len(conversations)} selected conversations fits "
                           f"(skipped: {dict(skipped)}); raise data.max_prompt_tokens or set "
                           "data.overlong=truncate.")
+    if accelerator.is_main_process:  # only now: a run that failed before this left no claim
+        write_manifest(out, {"status": "in_progress", "identity": identity})
+        cfg.save(out / "config.yaml")
     done = {row["id"] for row in read_columns(data_dir, ["id"])}
     pending = sorted((j for j in jobs if j.conversation.id not in done),
                      key=lambda j: j.first_prompt_len)  # similar lengths batch with less padding
@@ -196,6 +196,7 @@ def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int)
     messages = [list(job.first_messages) for job in batch]
     finished: list[list[bool]] = [[] for _ in batch]
     generated = [0] * len(batch)
+    retokenized = [0] * len(batch)  # replies whose text does not re-encode to the same ids
     active = list(range(len(batch)))
     for turn in range(cfg.data.max_turns):
         prompts, rows = [], []
@@ -219,8 +220,9 @@ def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int)
                                    tokenizer.pad_token_id)
         for r, reply in zip(rows, replies):
             content_ids = reply.token_ids[:-1] if reply.finished else reply.token_ids
-            messages[r].append({"role": "assistant",
-                                "content": tokenizer.decode(content_ids, skip_special_tokens=False)})
+            content = tokenizer.decode(content_ids, skip_special_tokens=False)
+            messages[r].append({"role": "assistant", "content": content})
+            retokenized[r] += encode(tokenizer, content) != content_ids
             finished[r].append(reply.finished)
             generated[r] += len(reply.token_ids)
         active = rows
@@ -231,6 +233,7 @@ def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int)
                "messages": json.dumps(messages[r], ensure_ascii=False),
                "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask,
                "num_turns": len(finished[r]), "generated_tokens": generated[r],
+               "retokenized_replies": retokenized[r],
                "finish_reasons": ["stop" if f else "length" for f in finished[r]]}
         if cfg.generation.top_k_logprobs:
             ids, logprobs = topk_logprobs(model, tokenized.input_ids, tokenized.loss_mask,
@@ -249,7 +252,7 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
     """Check every selected conversation is written exactly once, then mark the run complete."""
     if accelerator.is_main_process:
         rows = read_columns(out / "data", ["id", "split", "generated_tokens", "loss_mask",
-                                           "input_ids", "num_turns"])
+                                           "input_ids", "num_turns", "retokenized_replies"])
         written = Counter(row["id"] for row in rows)
         expected = {j.conversation.id for j in jobs}
         duplicated = [i for i, n in written.items() if n > 1]
@@ -268,7 +271,9 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
                           "assistant_tokens": sum(sum(r["loss_mask"]) for r in rows
                                                   if r["split"] == split),
                           "generated_tokens": sum(r["generated_tokens"] for r in rows
-                                                  if r["split"] == split)}
+                                                  if r["split"] == split),
+                          "retokenized_replies": sum(r["retokenized_replies"] for r in rows
+                                                     if r["split"] == split)}
                   for split in ("train", "held_out")}
         manifest = {
             "status": "complete",

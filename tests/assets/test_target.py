@@ -53,3 +53,26 @@ def test_local_folder_fingerprint_changes_with_the_weights(tiny_target, tmp_path
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert resolve_target(ModelConfig(target=str(copy))).fingerprint != before
+
+
+def test_cpu_gqa_attention_matches_eager_under_left_padding(tiny_target):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from assets.target import ResolvedTarget, load_target
+
+    ours = load_target(ResolvedTarget("tiny", str(tiny_target), None, ""), "float32",
+                       torch.device("cpu"))
+    eager = AutoModelForCausalLM.from_pretrained(tiny_target, attn_implementation="eager").eval()
+    assert ours.config._attn_implementation == "sdpa_gqa"
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads  # GQA for real
+    torch.manual_seed(0)
+    ids = torch.randint(3, 1000, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    mask[1, :2] = 0
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask).logits
+        b = eager(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=1e-5)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distill.chat import ChatTemplateError, render, tokenize_conversation
+from distill.chat import ChatTemplateError, render, render_text, tokenize_conversation
 
 IM_END = 2  # SmolLM2's <|im_end|>
 
@@ -30,7 +30,7 @@ def test_mask_covers_exactly_each_reply_and_its_end_of_turn(smollm2_tokenizer):
     tok = smollm2_tokenizer
     conv = _conversation()
     out = tokenize_conversation(tok, conv, [True, True], {IM_END})
-    assert out.input_ids == render(tok, conv, add_generation_prompt=False)
+    assert tok.decode(out.input_ids) == render_text(tok, conv, add_generation_prompt=False)
     runs = [tok.decode(run) for run in _masked_runs(out.input_ids, out.loss_mask)]
     assert runs == ["Seven.<|im_end|>", "Eleven,\nand thirteen.<|im_end|>"]
     # everything else, system and user turns and the template's own markup, is unmasked
@@ -53,6 +53,16 @@ def test_mask_positions_follow_the_generation_prompt(smollm2_tokenizer):
     prompt = render(tok, conv[:2], add_generation_prompt=True)
     assert out.input_ids[: len(prompt)] == prompt
     assert out.loss_mask.index(1) == len(prompt)
+
+
+def test_reply_starting_with_a_newline_stays_its_own_segment(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    conv = _conversation()[:2] + [{"role": "assistant", "content": "\n\nSeven."}]
+    out = tokenize_conversation(tok, conv, [True], {IM_END})
+    prompt = render(tok, conv[:2], add_generation_prompt=True)
+    assert out.input_ids[: len(prompt)] == prompt  # what the target saw before replying
+    runs = [tok.decode(run) for run in _masked_runs(out.input_ids, out.loss_mask)]
+    assert runs == ["\n\nSeven.<|im_end|>"]
 
 
 def test_template_that_rewrites_history_is_refused(smollm2_tokenizer):

@@ -1,0 +1,1 @@
+"""Evaluation: benchmarks and acceptance measurements."""

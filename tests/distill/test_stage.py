@@ -1,0 +1,143 @@
+"""Stage 1 end to end on a tiny random target: output, resume after a real kill, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from distill import load_distilled
+from distill.shards import read_columns, shard_files
+from tests.conftest import chat_records, write_jsonl
+
+ROOT = Path(__file__).parents[2]
+
+
+def _args(tiny_target, prompts, out, *extra):
+    return ["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
+            "--stage", "distill", f"model.target={tiny_target}", f"data.sources=[{prompts}]",
+            f"run.output_dir={out}", "data.max_prompts=null", "data.held_out_fraction=0.25",
+            "data.max_prompt_tokens=null", "generation.max_new_tokens=6", *extra]
+
+
+def _run(args, **kw):
+    return subprocess.run([sys.executable, str(ROOT / "distill.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_distill_writes_masked_sharded_data_with_manifest(tiny_target, tmp_path,
+                                                         smollm2_tokenizer):
+    from accelerate import Accelerator
+
+    from distill import run_distill
+    from recipe import load_config
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(10))
+    out = tmp_path / "out"
+    args = _args(tiny_target, prompts, out, "generation.top_k_logprobs=3", "data.shard_size=4",
+                 "generation.batch_size=3")
+    cfg = load_config(args[1], args[4:])
+    summary = run_distill(cfg, Accelerator(cpu=True))
+    tok = smollm2_tokenizer
+    manifest = summary.manifest
+    assert manifest["status"] == "complete" and summary.generated_now == 10
+    assert (out / "config.yaml").is_file() and load_config(out / "config.yaml") == cfg
+    ds = load_distilled(out)
+    assert len(ds["train"]) + len(ds["held_out"]) == 10
+    assert sorted(manifest["split"]["held_out_ids"]) == sorted(ds["held_out"]["id"])
+    for row in ds["train"]:
+        n_masked = sum(row["loss_mask"])
+        assert len(row["input_ids"]) == len(row["loss_mask"])
+        messages = json.loads(row["messages"])
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        # no reply of a random target stops early, so no end-of-turn token is masked
+        assert tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]) == \
+            "".join(replies)
+        assert len(row["topk_ids"]) == n_masked and len(row["topk_ids"][0]) == 3
+        assert row["topk_logprobs"][0] == sorted(row["topk_logprobs"][0], reverse=True)
+        assert row["num_turns"] == (2 if int(row["id"].split(":c")[1]) % 2 else 1)
+        assert row["finish_reasons"] == ["length"] * row["num_turns"]
+        assert [m["role"] for m in messages][-1] == "assistant"
+    counts = manifest["counts"]
+    assert counts["train"]["conversations"] == len(ds["train"])
+    assert counts["train"]["assistant_tokens"] == sum(sum(r) for r in ds["train"]["loss_mask"])
+
+
+def test_resume_after_a_real_kill_writes_every_prompt_exactly_once(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(40))
+    out = tmp_path / "out"
+    args = _args(tiny_target, prompts, out, "data.shard_size=2", "generation.batch_size=2",
+                 "generation.max_new_tokens=24")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "distill.py"), *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while len(shard_files(out / "data")) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 1.0))  # somewhere inside a later batch or shard write
+    assert proc.poll() is None, "the run finished before it could be killed: make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written_before = len(read_columns(out / "data", ["id"]))
+    assert 0 < written_before < 40
+    assert json.loads((out / "manifest.json").read_text())["status"] == "in_progress"
+
+    resumed = _run(args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{written_before} already written, {40 - written_before} to generate" in resumed.stdout
+    ids = Counter(r["id"] for r in read_columns(out / "data", ["id"]))
+    assert set(ids) == {f"p.jsonl:c{i}" for i in range(40)} and set(ids.values()) == {1}
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+    files = {p: p.stat().st_mtime_ns for p in shard_files(out / "data")}
+    again = _run(args)
+    assert again.returncode == 0 and "already complete" in again.stdout
+    assert {p: p.stat().st_mtime_ns for p in shard_files(out / "data")} == files
+
+
+def test_output_from_other_settings_is_refused_and_left_intact(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
+    out = tmp_path / "out"
+    assert _run(_args(tiny_target, prompts, out)).returncode == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    other = _run(_args(tiny_target, prompts, out, "generation.max_new_tokens=7"))
+    assert other.returncode == 2
+    assert "refusing to mix" in other.stderr and "generation.max_new_tokens: 6" in other.stderr
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+
+
+def test_shards_without_a_manifest_are_refused(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
+    (tmp_path / "out" / "data").mkdir(parents=True)
+    (tmp_path / "out" / "data" / "train-r0-00000.parquet").write_bytes(b"foreign")
+    result = _run(_args(tiny_target, prompts, tmp_path / "out"))
+    assert result.returncode == 2 and "no manifest.json" in result.stderr
+
+
+@pytest.mark.parametrize("overlong, kept", [("skip", 2), ("truncate", 3)])
+def test_overlong_first_prompts_are_skipped_or_truncated(tiny_target, tmp_path, overlong, kept):
+    records = chat_records(2) + [{"id": "long", "prompt": "word " * 400}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", records)
+    out = tmp_path / overlong
+    result = _run(_args(tiny_target, prompts, out, "data.max_prompt_tokens=120",
+                        f"data.overlong={overlong}"))
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    written = read_columns(out / "data", ["id", "input_ids", "loss_mask"])
+    assert len(written) == kept
+    assert manifest["skipped"] == ({"prompt over max_prompt_tokens": 1} if kept == 2 else {})
+    for row in written:  # the prompt part (before the first reply) fits the limit
+        assert row["loss_mask"].index(1) <= 120
+
+
+def test_bad_config_exits_2_with_the_message(tmp_path):
+    result = _run(["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
+                   "data.max_promts=3"])
+    assert result.returncode == 2 and "valid keys of 'data'" in result.stderr
