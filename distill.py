@@ -16,7 +16,7 @@ STAGES = ["distill"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/*.yaml")
     parser.add_argument("--stage", choices=["all", *STAGES], default="all",

