@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from distill import run_distill
 
     accelerator = Accelerator()
+    _warn_if_starved(accelerator)
     stages = STAGES if args.stage == "all" else [args.stage]
     try:
         if "distill" in stages:
@@ -44,6 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _warn_if_starved(accelerator) -> None:
+    """`accelerate launch` without a config sets OMP_NUM_THREADS=1 on a machine without GPU."""
+    import os
+
+    import torch
+
+    cores = os.cpu_count() or 1
+    if (accelerator.device.type == "cpu" and accelerator.num_processes == 1
+            and torch.get_num_threads() < cores):
+        accelerator.print(
+            f"[distill] warning: computing on {torch.get_num_threads()} of {cores} CPU cores "
+            f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}); launch with "
+            "`accelerate launch --config_file configs/accelerate/cpu.yaml` to use them all.")
 
 
 if __name__ == "__main__":

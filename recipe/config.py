@@ -93,7 +93,7 @@ class DataConfig:
     overlong: Literal["skip", "truncate"] = "skip"
     """A first user turn over max_prompt_tokens: 'skip' the conversation (counted) or
     'truncate' the user message to fit. A later overlong turn ends the conversation there."""
-    shard_size: int = 32
+    shard_size: int = 16
     """Conversations per output shard; a kill loses at most the unwritten shard."""
 
     def __post_init__(self) -> None:
