@@ -1,0 +1,1 @@
+"""Serving: the lossless speculative-decoding math and engine."""
