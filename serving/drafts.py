@@ -1,0 +1,116 @@
+"""Drafts the engine can use: an independent LM, and prompt lookup (n-gram, training-free).
+
+A draft proposes k tokens per row with the distribution q each was sampled from; the engine's
+verification keeps the output the target's whatever the draft proposes. EAGLE-3 and Medusa heads
+plug in through the same three calls.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from serving.kv import CachedLM
+from serving.speculative import sampling_probs
+
+
+class Sampling(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+class Draft(Protocol):
+    name: str
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              first_token: torch.Tensor) -> None:
+        """A new batch: prompts [B, T] (left-padded) and the target's first token [B]."""
+
+    def propose(self, k: int, sampling: Sampling, history: list[list[int]]):
+        """-> (tokens [B, k] long, probs [B, k, V] float): what the draft proposes and the
+        distribution q each token was sampled from. history: each row's tokens so far."""
+
+    def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor) -> None:
+        """The verification outcome: accepted draft tokens [B] and the token emitted after them."""
+
+
+class ModelDraft:
+    """An independent draft LM with the target's vocabulary and its own KV cache."""
+
+    def __init__(self, model, name: str = "draft"):
+        self.lm, self.name = CachedLM(model), name
+        self.failures = None  # [B] bool: rows whose draft produced non-finite logits
+
+    def start(self, input_ids, attention_mask, first_token):
+        self.lm.prefill(input_ids, attention_mask)
+        batch = input_ids.shape[0]
+        self.pending = torch.stack([first_token, first_token], dim=1)  # [B, 2]
+        self.pending_valid = torch.tensor([[False, True]] * batch, device=input_ids.device)
+        self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+
+    def propose(self, k, sampling, history):
+        logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
+        tokens, probs = [], []
+        for i in range(k):
+            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            broken = ~torch.isfinite(logits).all(-1) | self.failures  # [B]
+            if broken.any():  # lossless fallback: propose from a uniform q, count the row
+                self.failures |= broken
+                q[broken] = 1.0 / q.shape[-1]
+            token = torch.multinomial(q, 1)[:, 0]  # [B]
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self.lm.extend(token[:, None], torch.ones_like(token[:, None],
+                                                                         dtype=torch.bool))[:, -1]
+        self.tokens = torch.stack(tokens, 1)  # [B, k]
+        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token):
+        k = self.tokens.shape[1]
+        fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
+        self.lm.reject_last(fed - num_accepted.clamp(max=fed))
+        all_accepted = num_accepted == k  # then x_k still has to be fed, before next_token
+        self.pending = torch.stack([torch.where(all_accepted, self.tokens[:, -1], next_token),
+                                    next_token], dim=1)
+        self.pending_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], dim=1)
+
+
+class PromptLookupDraft:
+    """Prompt lookup decoding: continue the latest n-gram's earlier occurrence in the row's own
+    tokens (prompt and output), for n from max_ngram down to min_ngram. No training, no model;
+    q is a point mass on each proposed token, which verification handles like any draft."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2,
+                 name: str = "prompt lookup"):
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+        self.name = name
+
+    def start(self, input_ids, attention_mask, first_token):
+        self.device = input_ids.device
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(history) <= n:
+                continue
+            tail = history[-n:]
+            for start in range(len(history) - n - 1, -1, -1):  # latest earlier occurrence
+                if history[start : start + n] == tail:
+                    following = history[start + n : start + n + k]
+                    if following:
+                        return following
+        return []
+
+    def propose(self, k, sampling, history):
+        rows = []
+        for h in history:
+            found = self.lookup(h, k)
+            rows.append((found + [h[-1]] * k)[:k])  # pad with a guess that will mostly fail
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.device).view(len(history), k)
+        probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
+        return tokens, probs
+
+    def accept(self, num_accepted, next_token):
+        pass

@@ -1,0 +1,149 @@
+"""The speculative decoding loop: propose k with the draft, verify in one target forward, accept
+with min(1, p/q), resample from max(p - q, 0) at a rejection, bonus token when all k pass.
+
+Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
+Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
+of being cropped (serving/kv.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.drafts import Draft
+from serving.kv import CachedLM
+from serving.speculative import sampling_probs, verify
+
+
+@dataclass
+class DecodeSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    k: int = 4
+    """Draft tokens per step (the start value when adaptive)."""
+    adaptive_k: bool = False
+    """Tune k online: +2 after a step where every active row accepted all k, else -1,
+    within [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
+    k_max: int = 8
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.k > 64:
+            raise ValueError(f"k={self.k} must be in [1, 64]: each step verifies k+1 tokens.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 for greedy).")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if self.adaptive_k and not self.k <= self.k_max <= 64:
+            raise ValueError(f"k_max={self.k_max} must be in [k, 64].")
+
+
+@dataclass
+class RequestStats:
+    """Counts for one request (row); tau = 1 + accepted / steps, the vLLM definition."""
+
+    steps: int = 0
+    """Target verification forwards while the request was active (prefill excluded)."""
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_failures: int = 0
+    """1 when the draft produced non-finite logits and the request fell back to plain decoding."""
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted / self.steps if self.steps else 1.0
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]
+    """Per row: the generated tokens, the stop token included when one was emitted."""
+    stats: list[RequestStats]
+    draft_seconds: float
+    verify_seconds: float
+    k_used: list[int]
+    """k of each step (constant unless adaptive)."""
+
+
+@torch.no_grad()
+def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             settings: DecodeSettings, stop_token_ids: set[int], draft: Draft | None = None,
+             generator: torch.Generator | None = None) -> Generation:
+    """Decode left-padded prompts [B, T] with the target, speculatively when a draft is given."""
+    batch = input_ids.shape[0]
+    target_lm = CachedLM(target)
+
+    def probs(logits):  # [..., V] -> [..., V], the same filters for target and draft
+        return sampling_probs(logits, settings.temperature, settings.top_p, settings.top_k)
+
+    start = time.perf_counter()
+    first = torch.multinomial(probs(target_lm.prefill(input_ids, attention_mask)), 1,
+                              generator=generator)[:, 0]  # [B]
+    verify_seconds = time.perf_counter() - start
+    draft_seconds = 0.0
+    histories = [row[mask.bool()].tolist() + [t] for row, mask, t in
+                 zip(input_ids, attention_mask, first.tolist())]
+    outputs = [[t] for t in first.tolist()]
+    done = [t in stop_token_ids or settings.max_new_tokens == 1 for t in first.tolist()]
+    k_max = settings.k_max if settings.adaptive_k else settings.k
+    stats = [RequestStats(drafted_per_position=[0] * k_max, accepted_per_position=[0] * k_max)
+             for _ in range(batch)]
+    if draft is not None:
+        start = time.perf_counter()
+        draft.start(input_ids, attention_mask, first)
+        draft_seconds += time.perf_counter() - start
+
+    pending, k, k_used = first, settings.k if draft is not None else 0, []
+    while not all(done):
+        start = time.perf_counter()
+        if draft is not None:
+            draft_tokens, draft_probs = draft.propose(k, settings, histories)  # [B,k], [B,k,V]
+        else:
+            draft_tokens = pending.new_empty(batch, 0)
+            draft_probs = None
+        draft_seconds += time.perf_counter() - start
+
+        start = time.perf_counter()
+        chunk = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
+        target_probs = probs(target_lm.extend(chunk, torch.ones_like(chunk, dtype=torch.bool)))
+        if draft_probs is None:
+            draft_probs = target_probs[:, :0]
+        result = verify(draft_tokens, draft_probs, target_probs, generator)
+        target_lm.reject_last(k - result.num_accepted)
+        verify_seconds += time.perf_counter() - start
+        if draft is not None:
+            start = time.perf_counter()
+            draft.accept(result.num_accepted, result.next_token)
+            draft_seconds += time.perf_counter() - start
+
+        k_used.append(k)
+        accepted_rows = result.num_accepted.tolist()
+        for row, (n, nxt) in enumerate(zip(accepted_rows, result.next_token.tolist())):
+            if done[row]:
+                continue
+            s = stats[row]
+            s.steps += 1
+            s.drafted += k
+            s.accepted += n
+            for position in range(k):
+                s.drafted_per_position[position] += 1
+                s.accepted_per_position[position] += position < n
+            if draft is not None and getattr(draft, "failures", None) is not None:
+                s.draft_failures = int(draft.failures[row])
+            for token in draft_tokens[row, :n].tolist() + [nxt]:
+                outputs[row].append(token)
+                histories[row].append(token)
+                if token in stop_token_ids or len(outputs[row]) >= settings.max_new_tokens:
+                    done[row] = True
+                    break
+        pending = result.next_token
+        if settings.adaptive_k and draft is not None:
+            active = [n for n, d in zip(accepted_rows, done) if not d] or accepted_rows
+            k = min(k + 2, settings.k_max) if min(active) == k else max(k - 1, 1)
+    return Generation(outputs, stats, draft_seconds, verify_seconds, k_used)

@@ -1,0 +1,60 @@
+"""A batched KV cache for speculative decoding with per-row acceptance.
+
+Rows of a batch accept different numbers of draft tokens. Instead of cropping each row's cache
+to its own length (which a rectangular cache cannot do), every step appends its slots for all
+rows and rejected slots become holes: masked out of attention, skipped by the position ids.
+Masked keys get exactly zero attention weight, so a row's computation is that of its valid
+tokens alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CachedLM:
+    """A causal LM with its cache, its slot mask [B, L] and each row's next position [B]."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, L] 1 = a real token, 0 = pad or hole
+        self.next_position: torch.Tensor | None = None  # [B] valid tokens so far
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Left-padded prompts [B, T] -> logits of the last position [B, V]."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.mask = attention_mask.clone()
+        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, T]
+        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.next_position = attention_mask.sum(1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits [B, t, V]."""
+        valid = valid.long()
+        positions = self.next_position[:, None] + (valid.cumsum(1) - valid)  # [B, t]
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True)
+        self.next_position = self.next_position + valid.sum(1)
+        return out.logits
+
+    def reject_last(self, num_rejected: torch.Tensor) -> None:
+        """Turn each row's last num_rejected [B] slots into holes."""
+        width = int(num_rejected.max())
+        if width == 0:
+            return
+        tail = torch.arange(width, 0, -1, device=num_rejected.device)  # [w]: w, ..., 1
+        drop = tail[None, :] <= num_rejected[:, None]  # [B, w] True for the last n slots
+        self.mask[:, -width:] = self.mask[:, -width:] * (~drop)
+        self.next_position = self.next_position - num_rejected
