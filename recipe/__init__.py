@@ -5,6 +5,7 @@ from recipe.config import (
     Config,
     ConfigError,
     DataConfig,
+    EvalConfig,
     GenerationConfig,
     ModelConfig,
     RunConfig,
@@ -12,5 +13,5 @@ from recipe.config import (
     load_config,
 )
 
-__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "GenerationConfig",
+__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "EvalConfig", "GenerationConfig",
            "ModelConfig", "RunConfig", "cache_root", "load_config"]

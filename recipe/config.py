@@ -150,12 +150,70 @@ class GenerationConfig:
         return self.temperature > 0
 
 
+EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup")
+
+
+@dataclass
+class EvalConfig:
+    draft: str | None = None
+    """The draft to measure: 'self' (the target drafts for itself: tau must reach k+1),
+    'layer-truncated:<n>' (the target's first n layers, untrained), or an HF folder / hub id.
+    None: only the methods without a draft."""
+    prompts: str = "mtbench"
+    """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
+    split), or a .jsonl/.json/.parquet file."""
+    num_prompts: int | None = 10
+    """Prompts measured (the first ones of the set); None: all."""
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    k: int = 4
+    """Draft tokens per target forward (the start value when adaptive_k)."""
+    adaptive_k: bool = False
+    """Tune k online between 1 and k_max (the policy is printed with the results)."""
+    k_max: int = 8
+    batch_size: int = 1
+    methods: list[str] | None = None
+    """Which of target (our loop), hf_generate, speculative (our engine with the draft),
+    hf_assisted (transformers' assisted generation with the same draft and k), prompt_lookup.
+    None: all that apply (without a draft: target, hf_generate, prompt_lookup)."""
+
+    def __post_init__(self) -> None:
+        if self.methods is None:
+            self.methods = [m for m in EVAL_METHODS if self.draft is not None
+                            or m not in ("speculative", "hf_assisted")]
+        unknown = [m for m in self.methods if m not in EVAL_METHODS]
+        if unknown or not self.methods:
+            raise ConfigError(f"eval.methods={self.methods}: choose from {list(EVAL_METHODS)}.")
+        if self.draft is None and {"speculative", "hf_assisted"} & set(self.methods):
+            raise ConfigError("eval.methods has speculative/hf_assisted but eval.draft is not set: "
+                              "name a draft (e.g. eval.draft=self) or drop those methods.")
+        if not 1 <= self.k <= 64:
+            raise ConfigError(f"eval.k={self.k} must be in [1, 64].")
+        if self.adaptive_k and not self.k <= self.k_max <= 64:
+            raise ConfigError(f"eval.k_max={self.k_max} must be in [eval.k, 64].")
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature={self.temperature} must be >= 0 (0 for greedy).")
+        if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
+            raise ConfigError("eval.top_p/top_k have no effect with greedy decoding "
+                              "(eval.temperature=0): set a temperature or drop them.")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ConfigError("eval.max_new_tokens and eval.batch_size must be >= 1.")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise ConfigError(f"eval.num_prompts={self.num_prompts} must be >= 1 (or null).")
+        if "hf_assisted" in self.methods and self.batch_size != 1:
+            raise ConfigError("hf_assisted (transformers' assisted generation) runs batch 1 "
+                              "only: set eval.batch_size=1 or drop it from eval.methods.")
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -78,6 +78,44 @@ class ModelDraft:
         self.pending_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], dim=1)
 
 
+class VocabMismatchError(ValueError):
+    """Draft and target do not share a vocabulary, so draft tokens would mean other words."""
+
+
+def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Refuse a draft whose vocabulary differs from the target's, before any generation."""
+    t_size = target.get_output_embeddings().weight.shape[0]
+    d_size = draft.get_output_embeddings().weight.shape[0]
+    if t_size != d_size:
+        raise VocabMismatchError(f"the draft's vocabulary has {d_size} tokens, the target's "
+                                 f"{t_size}: a draft must use the target's tokenizer.")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise VocabMismatchError("the draft's tokenizer maps tokens to other ids than the "
+                                     "target's: a draft must use the target's tokenizer.")
+
+
+def load_draft(spec: str, target, target_tokenizer, dtype, device):
+    """'self', 'layer-truncated:<n>', or an HF folder / hub id -> (name, draft model)."""
+    if spec == "self":
+        return "target as its own draft", target
+    if spec.startswith("layer-truncated:"):
+        from train.draft_init import layer_truncated
+
+        n = int(spec.split(":", 1)[1])
+        return f"target's first {n} layers (untrained)", layer_truncated(target, n)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    draft = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval().to(device)
+    draft.requires_grad_(False)
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError):
+        draft_tokenizer = None  # a bare model folder: the vocabulary size check still applies
+    check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
+    return spec, draft
+
+
 class PromptLookupDraft:
     """Prompt lookup decoding: continue the latest n-gram's earlier occurrence in the row's own
     tokens (prompt and output), for n from max_ngram down to min_ngram. No training, no model;

@@ -38,7 +38,7 @@ def test_override_beats_yaml(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.max_promts=3"], "valid keys of 'data': sources, max_prompts"),
-    (["trainer.lr=1"], "valid sections: run, model, data, generation"),
+    (["trainer.lr=1"], "valid sections: run, model, data, generation, eval"),
     (["data.max_prompts=many"], "must be an integer"),
     (["model.dtype=float8"], "is not one of"),
     (["generation.max_new_tokens"], "write section.field=value"),
@@ -62,6 +62,10 @@ def test_unknown_key_in_yaml_lists_valid_keys(tmp_path):
     (["data.sources=[mtbench]"], "never used for training"),
     (["data.held_out_fraction=1.0"], r"in \[0, 1\)"),
     (["model.target=embedded:SmolLM2-135M-Instruct", "model.revision=main"], "only applies"),
+    (["eval.draft=null"], "eval.draft is not set"),
+    (["eval.methods=[target, medusa]"], "choose from"),
+    (["eval.k=0"], r"must be in \[1, 64\]"),
+    (["eval.batch_size=4"], "batch 1 only"),
 ])
 def test_contradictions_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,327 @@
+"""Measure a draft the way it will be served: tau, alpha_k, acceptance rate, tokens/s, speedup.
+
+    .venv/bin/python -m eval.speculative --config configs/smollm2-135m-independent.yaml [overrides]
+    .venv/bin/python -m eval.speculative --config ... --compare "Write a haiku about rain."
+
+All methods run side by side in one process on the same prompts: plain target decoding (our
+loop and HF `generate`), our engine with the draft, transformers' assisted generation with the
+same draft and k, and prompt lookup in our engine. Writes results.json, report.md, alpha_k.png
+and throughput.png to <run.output_dir>/eval/. --compare runs one request with and without
+speculation and compares the texts character by character and the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from assets.prompts import Conversation, load_file, load_mtbench
+from assets.target import load_target, load_tokenizer, resolve_target
+from distill.chat import render
+from distill.generate import end_of_turn_ids, left_pad
+from recipe import Config, ConfigError, EvalConfig
+from serving.drafts import ModelDraft, PromptLookupDraft, load_draft
+from serving.engine import DecodeSettings, RequestStats, generate
+
+
+@dataclass
+class MethodResult:
+    method: str
+    tokens: int
+    seconds: float
+    texts: list[str]
+    identical_to_target: int | None = None
+    """Prompts whose output equals plain target decoding token for token (greedy only)."""
+    tau: float | None = None
+    alpha: list[float] = field(default_factory=list)
+    acceptance_rate: float | None = None
+    draft_seconds: float | None = None
+    verify_seconds: float | None = None
+    draft_failures: int = 0
+    k_policy: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def acceptance(stats: list[RequestStats]) -> tuple[float, list[float], float]:
+    """Pool requests: tau = 1 + accepted / steps, alpha_k = accepted_k / drafted_k, rate."""
+    steps = sum(s.steps for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    width = max(len(s.drafted_per_position) for s in stats)
+    alpha = []
+    for position in range(width):
+        d = sum(s.drafted_per_position[position] for s in stats)
+        if d:
+            alpha.append(sum(s.accepted_per_position[position] for s in stats) / d)
+    return 1 + accepted / max(steps, 1), alpha, accepted / max(drafted, 1)
+
+
+def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list[list[int]], int]:
+    """The eval prompts in the chat template, and how many were skipped as too long for the
+    target's context together with eval.max_new_tokens."""
+    ev = cfg.eval
+    if ev.prompts == "mtbench":
+        conversations, _ = load_mtbench()
+    elif ev.prompts == "held_out":
+        from distill import load_distilled
+
+        rows = load_distilled(cfg.run.output_path).get("held_out")
+        if rows is None or len(rows) == 0:
+            raise ConfigError("eval.prompts=held_out but the stage-1 output has no held-out "
+                              "conversations: run the distill stage (data.held_out_fraction > 0).")
+        conversations = []
+        for row in rows:
+            messages = json.loads(row["messages"])
+            first_user = next(m["content"] for m in messages if m["role"] == "user")
+            conversations.append(Conversation(row["id"], "held_out", [first_user]))
+    else:
+        conversations, _ = load_file(Path(ev.prompts).expanduser())
+    if not conversations:
+        raise ConfigError(f"eval.prompts={ev.prompts!r} holds no prompt.")
+    conversations = conversations[: ev.num_prompts]
+    prompts, skipped = [], 0
+    for conv in conversations:
+        system = [{"role": "system", "content": conv.system}] if conv.system else []
+        ids = render(tokenizer, system + [{"role": "user", "content": conv.user_turns[0]}],
+                     add_generation_prompt=True)
+        if context is not None and len(ids) + ev.max_new_tokens > context:
+            skipped += 1
+        else:
+            prompts.append(ids)
+    if not prompts:
+        raise ConfigError(f"all {len(conversations)} eval prompts exceed the target's context "
+                          f"({context}) with eval.max_new_tokens={ev.max_new_tokens}: lower it.")
+    return prompts, skipped
+
+
+def _batches(prompts, size):
+    for b in range(0, len(prompts), size):
+        yield prompts[b : b + size]
+
+
+def run_engine(name, target, prompts, settings, eos, pad_id, tokenizer, draft=None,
+               seed=0) -> tuple[MethodResult, list[list[int]]]:
+    generator = torch.Generator().manual_seed(seed)
+    device = next(target.parameters()).device
+    outputs, stats, draft_s, verify_s, k_used = [], [], 0.0, 0.0, []
+    start = time.perf_counter()
+    for batch in _batches(prompts, settings.batch_size):
+        ids, mask = left_pad(batch, pad_id, device)
+        gen = generate(target, ids, mask, settings.decode, eos, draft, generator)
+        outputs += gen.tokens
+        stats += gen.stats
+        draft_s, verify_s = draft_s + gen.draft_seconds, verify_s + gen.verify_seconds
+        k_used += gen.k_used
+    seconds = time.perf_counter() - start
+    result = MethodResult(name, sum(len(o) for o in outputs), seconds,
+                          [tokenizer.decode(o) for o in outputs])
+    if draft is not None:
+        result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
+        result.draft_seconds, result.verify_seconds = draft_s, verify_s
+        result.draft_failures = sum(s.draft_failures for s in stats)
+        d = settings.decode
+        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in [1, {d.k_max}]; "
+                           f"mean k {sum(k_used) / max(len(k_used), 1):.2f}"
+                           if d.adaptive_k else f"fixed k={d.k}")
+    return result, outputs
+
+
+def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=None):
+    """transformers' generate, batch 1, optionally with assisted generation at constant k."""
+    from transformers import GenerationConfig
+
+    d = settings.decode
+    sampling = (dict(do_sample=True, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
+                if d.temperature > 0 else dict(do_sample=False))
+    extra = {}
+    if assistant is not None:
+        extra = dict(num_assistant_tokens=d.k, assistant_confidence_threshold=0.0,
+                     num_assistant_tokens_schedule="heuristic" if d.adaptive_k else "constant")
+    config = GenerationConfig(max_new_tokens=d.max_new_tokens, eos_token_id=sorted(eos),
+                              pad_token_id=pad_id, **sampling, **extra)
+    device = next(target.parameters()).device
+    outputs = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              generation_config=config, assistant_model=assistant)
+        outputs.append(out[0, len(prompt):].tolist())
+    seconds = time.perf_counter() - start
+    return MethodResult(name, sum(len(o) for o in outputs), seconds,
+                        [tokenizer.decode(o) for o in outputs]), outputs
+
+
+@dataclass
+class _Settings:
+    decode: DecodeSettings
+    batch_size: int
+
+
+def _settings(ev: EvalConfig) -> _Settings:
+    return _Settings(DecodeSettings(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature,
+                                    top_p=ev.top_p, top_k=ev.top_k, k=ev.k,
+                                    adaptive_k=ev.adaptive_k, k_max=ev.k_max), ev.batch_size)
+
+
+def evaluate(cfg: Config, device: torch.device) -> dict:
+    """Run every configured method on the eval prompts; write the report; return the results."""
+    ev = cfg.eval
+    resolved = resolve_target(cfg.model)
+    tokenizer = load_tokenizer(resolved)
+    target = load_target(resolved, cfg.model.dtype, device)
+    draft_name, draft_model = (load_draft(ev.draft, target, tokenizer, target.dtype, device)
+                               if ev.draft else (None, None))
+    prompts, skipped = load_eval_prompts(cfg, tokenizer,
+                                         getattr(target.config, "max_position_embeddings", None))
+    eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
+    settings = _settings(ev)
+    vocab = target.get_output_embeddings().weight.shape[0]
+
+    # a short warm-up so the first method does not pay one-off costs
+    generate(target, *left_pad(prompts[:1], pad, device), DecodeSettings(max_new_tokens=4),
+             eos, None)
+    results, reference = {}, None
+    for method in ev.methods:
+        print(f"[eval] {method} on {len(prompts)} prompts ...", flush=True)
+        if method == "target":
+            results[method], reference = run_engine(method, target, prompts, settings, eos, pad,
+                                                    tokenizer, None, cfg.run.seed)
+        elif method == "hf_generate":
+            results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer)
+        elif method == "speculative":
+            results[method], out = run_engine(method, target, prompts, settings, eos, pad,
+                                              tokenizer, ModelDraft(draft_model), cfg.run.seed)
+        elif method == "hf_assisted":
+            results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer,
+                                          assistant=draft_model)
+        elif method == "prompt_lookup":
+            results[method], out = run_engine(method, target, prompts, settings, eos, pad,
+                                              tokenizer, PromptLookupDraft(vocab), cfg.run.seed)
+        if method != "target" and reference is not None and ev.temperature == 0:
+            results[method].identical_to_target = sum(a == b for a, b in zip(out, reference))
+    report = {"target": resolved.name, "draft": draft_name, "prompts": ev.prompts,
+              "num_prompts": len(prompts), "skipped_over_context": skipped,
+              "settings": asdict(settings.decode),
+              "batch_size": ev.batch_size, "device": str(device),
+              "threads": torch.get_num_threads(),
+              "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
+                              "speedup": (r.tokens_per_s / results["target"].tokens_per_s
+                                          if "target" in results else None)}
+                          for m, r in results.items()}}
+    out_dir = cfg.run.output_path / "eval"
+    write_report(report, out_dir)
+    cfg.save(out_dir / "config.yaml")
+    print(markdown_table(report))
+    print(f"[eval] wrote {out_dir}/results.json, report.md, alpha_k.png, throughput.png")
+    return report
+
+
+def markdown_table(report: dict) -> str:
+    s = report["settings"]
+    lines = [f"target {report['target']}, draft {report['draft']}, {report['num_prompts']} "
+             f"{report['prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
+             f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
+             f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
+             "",
+             "| method | tau | acceptance | alpha_k | tokens/s | speedup | identical to target |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in report["methods"].items():
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+        alpha = " ".join(f"{a:.2f}" for a in r["alpha"]) or "-"
+        same = (f"{r['identical_to_target']}/{report['num_prompts']}"
+                if r["identical_to_target"] is not None else "-")
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(f"| {name} | {tau} | {rate} | {alpha} | {r['tokens_per_s']:.1f} | {speed} "
+                     f"| {same} |")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown_table(report) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in report["methods"].items():
+        if r["alpha"]:
+            ax.plot(range(1, len(r["alpha"]) + 1), r["alpha"], marker="o",
+                    label=f"{name} (tau {r['tau']:.2f})")
+    ax.set(xlabel="draft position k", ylabel="alpha_k (acceptance rate)", ylim=(0, 1.05),
+           title="Per-position acceptance")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "alpha_k.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(report["methods"])
+    ax.bar(names, [report["methods"][n]["tokens_per_s"] for n in names])
+    ax.set(ylabel="tokens/s", title="Decoding throughput")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=120)
+    plt.close(fig)
+
+
+def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
+    """One request with and without speculation: texts character by character, and times."""
+    ev = cfg.eval
+    if ev.draft is None:
+        raise ConfigError("--compare needs a draft: set eval.draft.")
+    resolved = resolve_target(cfg.model)
+    tokenizer = load_tokenizer(resolved)
+    target = load_target(resolved, cfg.model.dtype, device)
+    _, draft_model = load_draft(ev.draft, target, tokenizer, target.dtype, device)
+    ids = [render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)]
+    eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
+    settings = _settings(ev)
+    plain, _ = run_engine("target", target, ids, settings, eos, pad, tokenizer, None, cfg.run.seed)
+    spec, _ = run_engine("speculative", target, ids, settings, eos, pad, tokenizer,
+                         ModelDraft(draft_model), cfg.run.seed)
+    a, b = plain.texts[0], spec.texts[0]
+    first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                      None if len(a) == len(b) else min(len(a), len(b)))
+    print(f"--- without speculation ({plain.seconds:.2f} s, {plain.tokens_per_s:.1f} tokens/s)\n{a}")
+    print(f"--- with speculation ({spec.seconds:.2f} s, {spec.tokens_per_s:.1f} tokens/s, "
+          f"tau {spec.tau:.2f})\n{b}")
+    print("--- texts are identical" if first_diff is None else
+          f"--- texts differ from character {first_diff}: {a[first_diff:first_diff + 40]!r} vs "
+          f"{b[first_diff:first_diff + 40]!r}")
+    print(f"--- speedup {plain.seconds / spec.seconds:.2f}x")
+    return {"identical": first_diff is None, "first_difference": first_diff,
+            "seconds_plain": plain.seconds, "seconds_speculative": spec.seconds, "tau": spec.tau}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from recipe import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--compare", metavar="PROMPT", help="A/B one request and stop")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    from accelerate import Accelerator
+
+    device = Accelerator().device
+    if args.compare:
+        compare(cfg, args.compare, device)
+    else:
+        evaluate(cfg, device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The eval command end to end on a tiny target with SmolLM2's tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from eval.speculative import acceptance, compare, evaluate
+from recipe import load_config
+from serving.engine import RequestStats
+from tests.conftest import chat_records, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def peaked_target(tmp_path_factory, smollm2_tokenizer):
+    """2 layers, 64 dims, peaked logits (no near-ties for greedy argmax)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True, initializer_range=0.2)
+    folder = tmp_path_factory.mktemp("peaked")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _cfg(target, tmp_path, *extra):
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
+    return load_config(None, [f"model.target={target}", f"run.output_dir={tmp_path / 'run'}",
+                              f"eval.prompts={prompts}", "eval.max_new_tokens=12", *extra])
+
+
+def test_eval_reports_every_method_and_stays_lossless(peaked_target, tmp_path):
+    cfg = _cfg(peaked_target, tmp_path, "eval.draft=self", "eval.k=3")
+    report = evaluate(cfg, torch.device("cpu"))
+    methods = report["methods"]
+    assert list(methods) == ["target", "hf_generate", "speculative", "hf_assisted",
+                             "prompt_lookup"]
+    for name in ("hf_generate", "speculative", "hf_assisted", "prompt_lookup"):
+        assert methods[name]["identical_to_target"] == 3, name
+    assert methods["speculative"]["tau"] == pytest.approx(4.0)  # self-draft: k+1
+    assert methods["speculative"]["alpha"] == [1.0, 1.0, 1.0]
+    out = tmp_path / "run" / "eval"
+    assert json.loads((out / "results.json").read_text())["draft"] == "target as its own draft"
+    assert "| speculative | 4.00 |" in (out / "report.md").read_text()
+    assert (out / "alpha_k.png").stat().st_size > 0 and (out / "throughput.png").is_file()
+
+
+def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
+    cfg = _cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1",
+               "eval.methods=[target, speculative]")
+    report = evaluate(cfg, torch.device("cpu"))
+    spec = report["methods"]["speculative"]
+    assert spec["identical_to_target"] == 3 and 1.0 <= spec["tau"] <= 4.0
+    result = compare(cfg, "Hello there", torch.device("cpu"))
+    assert result["identical"] and "texts are identical" in capsys.readouterr().out
+
+
+def test_draft_with_another_vocabulary_is_refused_before_generation(peaked_target, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from serving.drafts import VocabMismatchError
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(other)
+    with pytest.raises(VocabMismatchError, match="1000 tokens"):
+        evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={other}"), torch.device("cpu"))
+
+
+def test_acceptance_pools_requests():
+    a = RequestStats(steps=4, drafted=8, accepted=5, drafted_per_position=[4, 4],
+                     accepted_per_position=[3, 2])
+    b = RequestStats(steps=2, drafted=4, accepted=0, drafted_per_position=[2, 2],
+                     accepted_per_position=[0, 0])
+    tau, alpha, rate = acceptance([a, b])
+    assert tau == pytest.approx(1 + 5 / 6) and alpha == [0.5, 2 / 6] and rate == 5 / 12
