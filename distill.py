@@ -3,8 +3,8 @@
     accelerate launch distill.py --config configs/smollm2-135m-independent.yaml [section.key=value ...]
     python distill.py --config ... --stage distill
 
-Stages, in order: distill (the target writes the data). Training, evaluation and export join
-this recipe as they are built.
+Stages, in order: distill (the target writes the data), eval (tau, alpha_k and speedup of
+eval.draft against the baselines). Training and export join this recipe as they are built.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-STAGES = ["distill"]
+STAGES = ["distill", "eval"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate import Accelerator
 
     from distill import run_distill
+    from eval.speculative import evaluate
 
     accelerator = Accelerator()
     _warn_if_starved(accelerator)
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "distill" in stages:
             run_distill(cfg, accelerator)
+        if "eval" in stages and accelerator.is_main_process:  # one process measures speed
+            evaluate(cfg, accelerator.device)
+        accelerator.wait_for_everyone()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

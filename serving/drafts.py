@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from recipe import ConfigError
 from serving.kv import CachedLM
 from serving.speculative import sampling_probs
 
@@ -78,7 +79,7 @@ class ModelDraft:
         self.pending_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], dim=1)
 
 
-class VocabMismatchError(ValueError):
+class VocabMismatchError(ConfigError):
     """Draft and target do not share a vocabulary, so draft tokens would mean other words."""
 
 

@@ -1,0 +1,61 @@
+"""Benchmark: the target's verification cost, the time of one forward over k+1 new tokens.
+
+    .venv/bin/python -m eval.bench_verify --config configs/smollm2-135m-independent.yaml
+
+Speculation pays when tau tokens per forward outweigh how much slower a (k+1)-token forward is
+than a 1-token one. Measured with a KV cache holding --context tokens of an MT-bench prompt,
+batch 1, the recipe's dtype; each k is the median of --repeats forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from assets.prompts import load_mtbench
+from assets.target import load_target, load_tokenizer, resolve_target
+from distill.chat import render
+from recipe import load_config
+from serving.kv import CachedLM
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/smollm2-135m-independent.yaml")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--k-max", type=int, default=8)
+    args, overrides = parser.parse_known_args()
+    cfg = load_config(args.config, overrides)
+    resolved = resolve_target(cfg.model)
+    tokenizer = load_tokenizer(resolved)
+    target = load_target(resolved, cfg.model.dtype, torch.device("cpu"))
+    conversations, _ = load_mtbench()
+    text = " ".join(t for c in conversations for t in c.user_turns)
+    prompt = render(tokenizer, [{"role": "user", "content": text}], True)[: args.context]
+    ids = torch.tensor([prompt])
+    print(f"target {resolved.name} ({cfg.model.dtype}), context {len(prompt)} tokens, batch 1, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print("| k | tokens per forward | ms per forward | vs k=0 |")
+    print("|---|---|---|---|")
+    base = None
+    for k in range(0, args.k_max + 1):
+        times = []
+        for _ in range(args.repeats + 2):
+            lm = CachedLM(target)
+            lm.prefill(ids, torch.ones_like(ids))
+            chunk = torch.tensor([prompt[-(k + 1):]])
+            start = time.perf_counter()
+            lm.extend(chunk, torch.ones_like(chunk, dtype=torch.bool))
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[2:]) * 1000
+        base = base or ms
+        print(f"| {k} | {k + 1} | {ms:.1f} | {ms / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Integration tier: the engine on the real SmolLM2-135M target and MT-bench questions."""
+
+import pytest
+import torch
+
+from assets.prompts import load_mtbench
+from assets.target import load_target, resolve_target
+from distill.chat import render
+from distill.generate import end_of_turn_ids, left_pad
+from recipe import ModelConfig
+from serving.drafts import ModelDraft, PromptLookupDraft
+from serving.engine import DecodeSettings, generate
+from train.draft_init import layer_truncated
+
+pytestmark = pytest.mark.integration
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_tokenizer):
+    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
+    conversations, _ = load_mtbench()
+    prompts = [render(smollm2_tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
+               for c in conversations[:10]]
+    eos = end_of_turn_ids(target, smollm2_tokenizer)
+    reference = []
+    for p in prompts:  # the target's own greedy output, transformers' generate, no padding
+        out = target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=int),
+                              max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=sorted(eos), pad_token_id=2)
+        reference.append(out[0, len(p):].tolist())
+    return target, prompts, eos, reference
+
+
+@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup"])
+def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_kind):
+    target, prompts, eos, reference = setup
+    draft = (ModelDraft(layer_truncated(target, 4)) if draft_kind == "layer-truncated"
+             else PromptLookupDraft(target.config.vocab_size))
+    outputs = []
+    for b in range(0, len(prompts), 5):  # batches of 5, left-padded
+        ids, mask = left_pad(prompts[b : b + 5], 2, torch.device("cpu"))
+        outputs += generate(target, ids, mask, DecodeSettings(max_new_tokens=NEW_TOKENS, k=4),
+                            eos, draft).tokens
+    for row, (got, want) in enumerate(zip(outputs, reference)):
+        assert got == want, f"MT-bench question {row}"

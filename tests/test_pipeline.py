@@ -1,0 +1,29 @@
+"""distill.py end to end (every stage that exists) on a tiny target."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import chat_records, write_jsonl
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_recipe_runs_every_stage(tiny_target, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(6))
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "distill.py"), "--config",
+         str(ROOT / "configs" / "smollm2-135m-independent.yaml"), f"model.target={tiny_target}",
+         f"data.sources=[{prompts}]", f"run.output_dir={out}", "data.max_prompts=null",
+         "data.max_prompt_tokens=null", "generation.max_new_tokens=8", f"eval.prompts={prompts}",
+         "eval.num_prompts=2",
+         "eval.max_new_tokens=8", "eval.draft=layer-truncated:1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    report = json.loads((out / "eval" / "results.json").read_text())
+    assert set(report["methods"]) == {"target", "hf_generate", "speculative", "hf_assisted",
+                                      "prompt_lookup"}
+    assert "| speculative |" in result.stdout
