@@ -115,7 +115,8 @@ def run_engine(name, target, prompts, settings, eos, pad_id, tokenizer, draft=No
     start = time.perf_counter()
     for batch in _batches(prompts, settings.batch_size):
         ids, mask = left_pad(batch, pad_id, device)
-        gen = generate(target, ids, mask, settings.decode, eos, draft, generator)
+        gen = generate(target, ids, mask, settings.decode, eos, draft, generator,
+                       decode=tokenizer.decode)
         outputs += gen.tokens
         stats += gen.stats
         draft_s, verify_s = draft_s + gen.draft_seconds, verify_s + gen.verify_seconds
@@ -145,6 +146,8 @@ def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=No
     if assistant is not None:
         extra = dict(num_assistant_tokens=d.k, assistant_confidence_threshold=0.0,
                      num_assistant_tokens_schedule="heuristic" if d.adaptive_k else "constant")
+    if d.stop_strings:
+        extra["stop_strings"] = list(d.stop_strings)
     config = GenerationConfig(max_new_tokens=d.max_new_tokens, eos_token_id=sorted(eos),
                               pad_token_id=pad_id, **sampling, **extra)
     device = next(target.parameters()).device
@@ -153,7 +156,8 @@ def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=No
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
         out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              generation_config=config, assistant_model=assistant)
+                              generation_config=config, assistant_model=assistant,
+                              tokenizer=tokenizer if d.stop_strings else None)
         outputs.append(out[0, len(prompt):].tolist())
     seconds = time.perf_counter() - start
     return MethodResult(name, sum(len(o) for o in outputs), seconds,
@@ -169,7 +173,8 @@ class _Settings:
 def _settings(ev: EvalConfig) -> _Settings:
     return _Settings(DecodeSettings(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature,
                                     top_p=ev.top_p, top_k=ev.top_k, k=ev.k,
-                                    adaptive_k=ev.adaptive_k, k_max=ev.k_max), ev.batch_size)
+                                    adaptive_k=ev.adaptive_k, k_max=ev.k_max,
+                                    stop_strings=tuple(ev.stop_strings)), ev.batch_size)
 
 
 def evaluate(cfg: Config, device: torch.device) -> dict:

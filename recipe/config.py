@@ -173,6 +173,8 @@ class EvalConfig:
     adaptive_k: bool = False
     """Tune k online between 1 and k_max (the policy is printed with the results)."""
     k_max: int = 8
+    stop_strings: list[str] = field(default_factory=list)
+    """A request also ends once its text contains one of these (besides the end-of-turn token)."""
     batch_size: int = 1
     methods: list[str] | None = None
     """Which of target (our loop), hf_generate, speculative (our engine with the draft),

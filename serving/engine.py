@@ -30,6 +30,8 @@ class DecodeSettings:
     """Tune k online: +2 after a step where every active row accepted all k, else -1,
     within [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
     k_max: int = 8
+    stop_strings: tuple[str, ...] = ()
+    """Stop a request once its decoded output contains one of these (kept in the output)."""
 
     def __post_init__(self) -> None:
         if self.k < 1 or self.k > 64:
@@ -74,8 +76,20 @@ class Generation:
 @torch.no_grad()
 def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              settings: DecodeSettings, stop_token_ids: set[int], draft: Draft | None = None,
-             generator: torch.Generator | None = None) -> Generation:
-    """Decode left-padded prompts [B, T] with the target, speculatively when a draft is given."""
+             generator: torch.Generator | None = None, decode=None) -> Generation:
+    """Decode left-padded prompts [B, T] with the target, speculatively when a draft is given.
+
+    decode (token ids -> text) is needed only for settings.stop_strings."""
+    if settings.stop_strings and decode is None:
+        raise ValueError("stop_strings need a decode function (the tokenizer's decode).")
+    tail = max((len(s) for s in settings.stop_strings), default=0) + 2  # tokens to re-decode
+
+    def stopped(tokens: list[int]) -> bool:
+        if tokens[-1] in stop_token_ids or len(tokens) >= settings.max_new_tokens:
+            return True
+        return bool(settings.stop_strings) and any(
+            s in decode(tokens[-tail:]) for s in settings.stop_strings)
+
     batch = input_ids.shape[0]
     target_lm = CachedLM(target)
 
@@ -90,7 +104,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     histories = [row[mask.bool()].tolist() + [t] for row, mask, t in
                  zip(input_ids, attention_mask, first.tolist())]
     outputs = [[t] for t in first.tolist()]
-    done = [t in stop_token_ids or settings.max_new_tokens == 1 for t in first.tolist()]
+    done = [stopped(o) for o in outputs]
     k_max = settings.k_max if settings.adaptive_k else settings.k
     stats = [RequestStats(drafted_per_position=[0] * k_max, accepted_per_position=[0] * k_max)
              for _ in range(batch)]
@@ -139,7 +153,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             for token in draft_tokens[row, :n].tolist() + [nxt]:
                 outputs[row].append(token)
                 histories[row].append(token)
-                if token in stop_token_ids or len(outputs[row]) >= settings.max_new_tokens:
+                if stopped(outputs[row]):
                     done[row] = True
                     break
         pending = result.next_token

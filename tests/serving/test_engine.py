@@ -77,6 +77,17 @@ def test_adaptive_k_grows_with_a_perfect_draft_and_stays_lossless(target):
         assert out.tokens[row] == _reference(target, prompt, 60)
 
 
+def test_stop_strings_end_a_request_after_the_completing_token(target):
+    prompts, ids, mask = _prompts([7])
+    reference = _reference(target, prompts[0], 40)
+    decode = lambda tokens: "".join(f"<{t}>" for t in tokens)  # noqa: E731
+    stop = f"<{reference[9]}><{reference[10]}>"
+    first = next(i for i in range(1, len(reference)) if stop in decode(reference[: i + 1]))
+    settings = DecodeSettings(max_new_tokens=40, k=3, stop_strings=(stop,))
+    out = generate(target, ids, mask, settings, {EOS}, ModelDraft(target), decode=decode)
+    assert out.tokens[0] == reference[: first + 1]
+
+
 def test_stats_count_positions(target):
     prompts, ids, mask = _prompts([8])
     out = generate(target, ids, mask, DecodeSettings(max_new_tokens=30, k=3), {EOS},
