@@ -265,6 +265,8 @@ def write_report(report: dict, out_dir: Path) -> None:
         if r["alpha"]:
             ax.plot(range(1, len(r["alpha"]) + 1), r["alpha"], marker="o",
                     label=f"{name} (tau {r['tau']:.2f})")
+    positions = max((len(r["alpha"]) for r in report["methods"].values()), default=0)
+    ax.set_xticks(range(1, positions + 1))
     ax.set(xlabel="draft position k", ylabel="alpha_k (acceptance rate)", ylim=(0, 1.05),
            title="Per-position acceptance")
     ax.legend()
