@@ -1,10 +1,10 @@
 """A batched KV cache for speculative decoding with per-row acceptance.
 
-Rows of a batch accept different numbers of draft tokens. Instead of cropping each row's cache
-to its own length (which a rectangular cache cannot do), every step appends its slots for all
-rows and rejected slots become holes: masked out of attention, skipped by the position ids.
-Masked keys get exactly zero attention weight, so a row's computation is that of its valid
-tokens alone.
+Rows of a batch accept different numbers of draft tokens. A rectangular cache cannot be cropped
+to each row's own length, so every step appends its slots for all rows, the slots all rows
+rejected are cropped, and the remaining rejected slots become holes: masked out of attention,
+skipped by the position ids. Masked keys get exactly zero attention weight, so a row's
+computation is that of its valid tokens alone.
 """
 
 from __future__ import annotations
@@ -50,11 +50,17 @@ class CachedLM:
         return out.logits
 
     def reject_last(self, num_rejected: torch.Tensor) -> None:
-        """Turn each row's last num_rejected [B] slots into holes."""
+        """Drop each row's last num_rejected [B] slots: the slots every row rejects are cut from
+        the cache (all of them at batch 1), the rest become holes."""
+        self.next_position = self.next_position - num_rejected
+        common = int(num_rejected.min())
+        if common:
+            self.cache.crop(self.mask.shape[1] - common)
+            self.mask = self.mask[:, :-common]
+            num_rejected = num_rejected - common
         width = int(num_rejected.max())
         if width == 0:
             return
         tail = torch.arange(width, 0, -1, device=num_rejected.device)  # [w]: w, ..., 1
         drop = tail[None, :] <= num_rejected[:, None]  # [B, w] True for the last n slots
         self.mask[:, -width:] = self.mask[:, -width:] * (~drop)
-        self.next_position = self.next_position - num_rejected
