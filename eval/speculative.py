@@ -213,7 +213,8 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
                                               tokenizer, PromptLookupDraft(vocab), cfg.run.seed)
         if method != "target" and reference is not None and ev.temperature == 0:
             results[method].identical_to_target = sum(a == b for a, b in zip(out, reference))
-    report = {"target": resolved.name, "draft": draft_name, "prompts": ev.prompts,
+    report = {"target": resolved.name, "dtype": cfg.model.dtype, "draft": draft_name,
+              "prompts": ev.prompts,
               "num_prompts": len(prompts), "skipped_over_context": skipped,
               "settings": asdict(settings.decode),
               "batch_size": ev.batch_size, "device": str(device),
@@ -232,7 +233,8 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
 
 def markdown_table(report: dict) -> str:
     s = report["settings"]
-    lines = [f"target {report['target']}, draft {report['draft']}, {report['num_prompts']} "
+    lines = [f"target {report['target']} ({report['dtype']}), draft {report['draft']}, "
+             f"{report['num_prompts']} "
              f"{report['prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
              f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
