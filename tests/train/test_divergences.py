@@ -1,0 +1,66 @@
+"""Divergences tested with no model, in the style of TRL's GKD tests."""
+
+import pytest
+import torch
+
+from train.divergences import forward_kl, generalized_jsd, hard_ce, reverse_kl, tvd
+
+torch.manual_seed(0)
+P = torch.randn(6, 11) * 2  # target logits [N, V]
+Q = torch.randn(6, 11) * 2  # draft logits
+
+
+@pytest.mark.parametrize("fn", [forward_kl, reverse_kl, generalized_jsd, tvd])
+def test_equal_inputs_give_zero(fn):
+    torch.testing.assert_close(fn(P, P), torch.zeros(6), atol=1e-6, rtol=0)
+
+
+def test_kls_match_torch_and_differ_from_each_other():
+    p, log_q = torch.softmax(P, -1), torch.log_softmax(Q, -1)
+    expected = torch.nn.functional.kl_div(log_q, p, reduction="none").sum(-1)  # KL(p || q)
+    torch.testing.assert_close(forward_kl(P, Q), expected)
+    torch.testing.assert_close(reverse_kl(P, Q), forward_kl(Q, P))
+    assert not torch.allclose(forward_kl(P, Q), reverse_kl(P, Q))
+
+
+def test_jsd_ends_are_the_two_kls_and_the_limits_agree():
+    torch.testing.assert_close(generalized_jsd(P, Q, beta=0.0), forward_kl(P, Q))
+    torch.testing.assert_close(generalized_jsd(P, Q, beta=1.0), reverse_kl(P, Q))
+    torch.testing.assert_close(generalized_jsd(P, Q, beta=1e-4) / 1e-4, forward_kl(P, Q),
+                               rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(generalized_jsd(P, Q, beta=1 - 1e-4) / 1e-4, reverse_kl(P, Q),
+                               rtol=2e-2, atol=1e-3)
+    half = generalized_jsd(P, Q, beta=0.5)
+    assert (half >= 0).all() and (half <= torch.log(torch.tensor(2.0)) + 1e-6).all()
+    torch.testing.assert_close(half, generalized_jsd(Q, P, beta=0.5))  # symmetric at 0.5
+
+
+def test_tvd_is_in_unit_interval_and_one_minus_acceptance():
+    d = tvd(P, Q)
+    assert (d >= 0).all() and (d <= 1).all()
+    p, q = torch.softmax(P, -1), torch.softmax(Q, -1)
+    torch.testing.assert_close(1 - d, torch.minimum(p, q).sum(-1))  # expected acceptance
+    disjoint = torch.tensor([[10.0, -1e4], [-1e4, 10.0]])
+    torch.testing.assert_close(tvd(disjoint[:1], disjoint[1:]), torch.ones(1))
+
+
+def test_temperature_flattens_both():
+    assert (forward_kl(P, Q, temperature=4.0) < forward_kl(P, Q)).all()
+
+
+def test_hard_ce_is_minus_log_q_of_the_target_token():
+    tokens = P.argmax(-1)
+    torch.testing.assert_close(hard_ce(Q, tokens),
+                               -torch.log_softmax(Q, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("fn", [forward_kl, reverse_kl, generalized_jsd, tvd])
+def test_gradients_are_finite_even_for_peaked_logits(fn):
+    q = (Q * 50).requires_grad_()
+    fn(P * 50, q).sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+def test_beta_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="beta"):
+        generalized_jsd(P, Q, beta=1.5)
