@@ -34,6 +34,11 @@ class Conversation:
     system: str | None = None
     category: str | None = None
 
+    def first_turn(self) -> list[dict[str, str]]:
+        """The messages the target answers first: the system message, if any, and turn 1."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + [{"role": "user", "content": self.user_turns[0]}]
+
 
 @dataclass
 class SalvageReport:

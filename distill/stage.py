@@ -122,9 +122,9 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
 
 def _identity(cfg: Config, target, tokenizer) -> dict:
     """Everything that changes what stage 1 writes (not batch or shard size)."""
-    data = cfg.to_dict()["data"]
+    resolved = cfg.to_dict()
+    data, generation = resolved["data"], resolved["generation"]
     data.pop("shard_size")
-    generation = cfg.to_dict()["generation"]
     generation.pop("batch_size")
     template = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return {"target": {"name": target.name, "revision": target.revision,
@@ -160,8 +160,7 @@ def _prepare(conversations: list[Conversation], tokenizer, cfg: Config, limit: i
     """Check every first turn against the limit (skip or truncate) and assign the split."""
     jobs, skipped = [], Counter()
     for conv in conversations:
-        system = [{"role": "system", "content": conv.system}] if conv.system else []
-        messages = system + [{"role": "user", "content": conv.user_turns[0]}]
+        messages = conv.first_turn()
         prompt = render(tokenizer, messages, add_generation_prompt=True)
         if len(prompt) > limit and cfg.data.overlong == "truncate":
             messages, prompt = _truncate_last_user(tokenizer, messages, limit)

@@ -89,9 +89,7 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
     conversations = conversations[: ev.num_prompts]
     prompts, skipped = [], 0
     for conv in conversations:
-        system = [{"role": "system", "content": conv.system}] if conv.system else []
-        ids = render(tokenizer, system + [{"role": "user", "content": conv.user_turns[0]}],
-                     add_generation_prompt=True)
+        ids = render(tokenizer, conv.first_turn(), add_generation_prompt=True)
         if context is not None and len(ids) + ev.max_new_tokens > context:
             skipped += 1
         else:
@@ -177,14 +175,21 @@ def _settings(ev: EvalConfig) -> _Settings:
                                     stop_strings=tuple(ev.stop_strings)), ev.batch_size)
 
 
-def evaluate(cfg: Config, device: torch.device) -> dict:
-    """Run every configured method on the eval prompts; write the report; return the results."""
-    ev = cfg.eval
+def _load(cfg: Config, device: torch.device):
+    """-> (resolved target, tokenizer, target, draft name, draft model); the draft's vocabulary
+    is checked here, before any generation."""
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     target = load_target(resolved, cfg.model.dtype, device)
-    draft_name, draft_model = (load_draft(ev.draft, target, tokenizer, target.dtype, device)
-                               if ev.draft else (None, None))
+    draft_name, draft_model = (load_draft(cfg.eval.draft, target, tokenizer, target.dtype, device)
+                               if cfg.eval.draft else (None, None))
+    return resolved, tokenizer, target, draft_name, draft_model
+
+
+def evaluate(cfg: Config, device: torch.device) -> dict:
+    """Run every configured method on the eval prompts; write the report; return the results."""
+    ev = cfg.eval
+    resolved, tokenizer, target, draft_name, draft_model = _load(cfg, device)
     prompts, skipped = load_eval_prompts(cfg, tokenizer,
                                          getattr(target.config, "max_position_embeddings", None))
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
@@ -290,10 +295,7 @@ def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
     ev = cfg.eval
     if ev.draft is None:
         raise ConfigError("--compare needs a draft: set eval.draft.")
-    resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
-    target = load_target(resolved, cfg.model.dtype, device)
-    _, draft_model = load_draft(ev.draft, target, tokenizer, target.dtype, device)
+    _, tokenizer, target, _, draft_model = _load(cfg, device)
     ids = [render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)]
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     settings = _settings(ev)
