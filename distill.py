@@ -3,8 +3,9 @@
     accelerate launch distill.py --config configs/smollm2-135m-independent.yaml [section.key=value ...]
     python distill.py --config ... --stage distill
 
-Stages, in order: distill (the target writes the data), eval (tau, alpha_k and speedup of
-eval.draft against the baselines). Training and export join this recipe as they are built.
+Stages, in order: distill (the target writes the data), train (the draft learns the target's
+distributions on that data), eval (tau, alpha_k and speedup of eval.draft against the
+baselines). Export joins this recipe when it is built.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-STAGES = ["distill", "eval"]
+STAGES = ["distill", "train", "eval"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,19 +36,29 @@ def main(argv: list[str] | None = None) -> int:
 
     from distill import run_distill
     from eval.speculative import evaluate
+    from train import TrainingDiverged, accelerator_kwargs, train_draft
 
-    accelerator = Accelerator()
+    try:
+        accelerator = Accelerator(**accelerator_kwargs(cfg))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     _warn_if_starved(accelerator)
     stages = STAGES if args.stage == "all" else [args.stage]
     try:
         if "distill" in stages:
             run_distill(cfg, accelerator)
+        if "train" in stages:
+            train_draft(cfg, accelerator)
         if "eval" in stages and accelerator.is_main_process:  # one process measures speed
             evaluate(cfg, accelerator.device)
         accelerator.wait_for_everyone()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -181,8 +181,14 @@ def _load(cfg: Config, device: torch.device):
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     target = load_target(resolved, cfg.model.dtype, device)
-    draft_name, draft_model = (load_draft(cfg.eval.draft, target, tokenizer, target.dtype, device)
-                               if cfg.eval.draft else (None, None))
+    spec = cfg.eval.draft
+    if spec == "trained":
+        spec = str(cfg.run.output_path / "train" / "draft")
+        if not (Path(spec) / "config.json").is_file():
+            raise ConfigError(f"eval.draft=trained, but {spec} holds no trained draft: run the "
+                              "train stage first (distill.py --stage train).")
+    draft_name, draft_model = (load_draft(spec, target, tokenizer, target.dtype, device)
+                               if spec else (None, None))
     return resolved, tokenizer, target, draft_name, draft_model
 
 

@@ -9,9 +9,12 @@ from recipe.config import (
     GenerationConfig,
     ModelConfig,
     RunConfig,
+    TrackingConfig,
+    TrainConfig,
     cache_root,
     load_config,
 )
 
 __all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "EvalConfig", "GenerationConfig",
-           "ModelConfig", "RunConfig", "cache_root", "load_config"]
+           "ModelConfig", "RunConfig", "TrackingConfig",
+           "TrainConfig", "cache_root", "load_config"]

@@ -1,6 +1,7 @@
 """Typed recipe configuration: one dataclass per concern, loaded from YAML, overridden from the CLI.
 
-A recipe YAML has one mapping per section (``run``, ``model``, ``data``, ``generation``). Every
+A recipe YAML has one mapping per section (``run``, ``model``, ``data``, ``generation``, ``train``,
+``tracking``, ``eval``). Every
 key is checked against the dataclass fields: unknown sections or keys are errors that list the
 valid ones. Command-line overrides use ``section.field=value`` or ``--section.field value``;
 values are parsed as YAML scalars and then checked against the field's type. Contradictions are
@@ -156,8 +157,9 @@ EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_l
 @dataclass
 class EvalConfig:
     draft: str | None = None
-    """The draft to measure: 'self' (the target drafts for itself: tau must reach k+1),
-    'layer-truncated:<n>' (the target's first n layers, untrained), or an HF folder / hub id.
+    """The draft to measure: 'trained' (this run's train stage output, <output>/train/draft),
+    'self' (the target drafts for itself: tau must reach k+1), 'layer-truncated:<n>' (the
+    target's first n layers, untrained), or an HF folder / hub id.
     None: only the methods without a draft."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
@@ -209,12 +211,135 @@ class EvalConfig:
                               "only: set eval.batch_size=1 or drop it from eval.methods.")
 
 
+LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")
+
+
+def parse_loss(spec: str) -> list[tuple[float, str]]:
+    """'tvd' or a weighted mix '0.5*fkl+0.5*tvd' -> [(weight, name), ...]."""
+    terms = []
+    for part in spec.replace(" ", "").split("+"):
+        weight, _, name = part.rpartition("*")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = -1.0
+        if name not in LOSS_NAMES or w <= 0:
+            raise ConfigError(f"train.loss={spec!r}: write a name from {list(LOSS_NAMES)} or a "
+                              "weighted mix such as '0.5*fkl+0.5*tvd' (positive weights).")
+        terms.append((w, name))
+    return terms
+
+
+@dataclass
+class TrainConfig:
+    draft: str = "layer-truncated:6"
+    """Draft initialisation: 'layer-truncated:<n>' (the target's embeddings, first n layers,
+    final norm and head), 'fresh:<layers>' or 'fresh:<layers>x<hidden>' (the target's
+    architecture, random weights), or an HF causal LM folder / hub id with the target's vocab."""
+    loss: str = "tvd"
+    """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
+    '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""
+    jsd_beta: float = 0.5
+    """Generalised JSD mixing weight: 0 = forward KL, 1 = reverse KL."""
+    temperature: float = 1.0
+    """Both distributions are softened by this before the divergence."""
+    target_logits: Literal["online", "topk"] = "online"
+    """'online': run the frozen target on every batch (exact). 'topk': the top-k log-probs stored
+    by stage 1 (generation.top_k_logprobs > 0), renormalised over those k tokens."""
+    on_policy_fraction: float = 0.0
+    """Fraction of micro-batches where the draft samples its own continuation of the prompt and
+    the target scores it (the loss is then on the draft's tokens); 0 = offline data only."""
+    on_policy_max_new_tokens: int = 64
+    on_policy_temperature: float = 1.0
+    max_steps: int = 100
+    """Optimizer steps (each = gradient_accumulation_steps micro-batches per process)."""
+    micro_batch_size: int = 4
+    """Conversations per micro-batch per process."""
+    gradient_accumulation_steps: int = 4
+    max_seq_len: int = 1024
+    """Longer conversations are cut to this many tokens."""
+    learning_rate: float = 1e-4
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at learning_rate * min_lr_ratio."""
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast for the draft's forward ('fp16' needs a GPU; 'bf16' on CPU needs AVX512-BF16/AMX)."""
+    lora_rank: int = 0
+    """0: train all weights. > 0: PEFT LoRA adapters of this rank (merged into the saved draft)."""
+    lora_alpha: int = 16
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
+                                                             "o_proj", "gate_proj", "up_proj",
+                                                             "down_proj"])
+    save_every: int = 50
+    """Optimizer steps between checkpoints (the last step is always saved)."""
+    keep_checkpoints: int = 2
+    eval_every: int = 50
+    """Optimizer steps between held-out evaluations (also at step 0 and at the end)."""
+    eval_k: int = 4
+    """Draft length k of the predicted acceptance (tau, alpha_1..alpha_k) on held-out data."""
+    eval_conversations: int | None = None
+    """Held-out conversations used for the predicted acceptance; None: all."""
+
+    def __post_init__(self) -> None:
+        terms = parse_loss(self.loss)
+        if not 0.0 <= self.jsd_beta <= 1.0:
+            raise ConfigError(f"train.jsd_beta={self.jsd_beta} must be in [0, 1].")
+        if self.temperature <= 0:
+            raise ConfigError(f"train.temperature={self.temperature} must be > 0.")
+        names = {name for _, name in terms}
+        if self.target_logits == "topk" and ("rkl" in names or ("jsd" in names and
+                                                                self.jsd_beta == 1.0)):
+            raise ConfigError("train.loss uses reverse KL, which is infinite against a top-k "
+                              "target (zero mass outside its k tokens): use "
+                              "train.target_logits=online or another loss.")
+        if not 0.0 <= self.on_policy_fraction <= 1.0:
+            raise ConfigError(f"train.on_policy_fraction={self.on_policy_fraction} must be in "
+                              "[0, 1].")
+        if self.on_policy_fraction > 0 and self.target_logits == "topk":
+            raise ConfigError("on-policy batches need the target's logits on the draft's own "
+                              "samples: set train.target_logits=online.")
+        for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps",
+                     "max_seq_len", "save_every", "keep_checkpoints", "eval_every", "eval_k",
+                     "on_policy_max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1.")
+        if self.learning_rate <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("train.learning_rate must be > 0 and train.min_lr_ratio in [0, 1].")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.max_steps:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be in "
+                              f"[0, train.max_steps={self.max_steps}).")
+        if self.max_grad_norm <= 0 or self.on_policy_temperature <= 0:
+            raise ConfigError("train.max_grad_norm and train.on_policy_temperature must be > 0.")
+        if self.lora_rank < 0:
+            raise ConfigError(f"train.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA).")
+        if self.eval_conversations is not None and self.eval_conversations < 1:
+            raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
+
+    @property
+    def loss_terms(self) -> list[tuple[float, str]]:
+        return parse_loss(self.loss)
+
+
+@dataclass
+class TrackingConfig:
+    tracker: Literal["none", "wandb", "tensorboard"] = "none"
+    """Where training metrics go, besides <output>/train/log.jsonl."""
+    project: str = "draftsmith"
+    """W&B project / tensorboard subfolder; the run is named after run.name."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B stays offline (files under <output>/train/wandb, `wandb sync` later) unless 'online'."""
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +393,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be an integer, got {value!r}.")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where} must be a number, got {value!r}.")
         return float(value)

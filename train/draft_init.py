@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from recipe import ConfigError
 
 
@@ -25,3 +27,67 @@ def layer_truncated(target, num_layers: int):
         draft.config.layer_types = draft.config.layer_types[:num_layers]
     draft.requires_grad_(False)
     return draft.eval()
+
+
+def fresh(target, num_layers: int, hidden_size: int | None = None):
+    """A randomly initialised model of the target's architecture: num_layers decoder layers and,
+    when given, a narrower hidden size (attention heads and MLP width scale with it)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    if hidden_size is not None and hidden_size != config.hidden_size:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if hidden_size % head_dim:
+            raise ConfigError(f"fresh draft hidden size {hidden_size} must be a multiple of the "
+                              f"target's head size {head_dim}.")
+        group = config.num_attention_heads // config.num_key_value_heads
+        heads = hidden_size // head_dim
+        config.num_attention_heads = heads
+        config.num_key_value_heads = max(1, heads // group)
+        config.head_dim = head_dim
+        config.intermediate_size = config.intermediate_size * hidden_size // config.hidden_size
+        config.hidden_size = hidden_size
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def init_draft(spec: str, target, target_tokenizer):
+    """train.draft -> a trainable fp32 draft on the target's device.
+
+    'layer-truncated:<n>', 'fresh:<layers>[x<hidden>]', or an HF folder / hub id."""
+    from serving.drafts import check_same_vocab
+
+    kind, _, arg = spec.partition(":")
+    if kind == "layer-truncated":
+        draft = layer_truncated(target, _positive(arg, spec))
+    elif kind == "fresh":
+        layers, _, hidden = arg.partition("x")
+        draft = fresh(target, _positive(layers, spec), _positive(hidden, spec) if hidden else None)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            draft = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"train.draft={spec!r} is not 'layer-truncated:<n>', "
+                              f"'fresh:<layers>[x<hidden>]', nor a loadable causal LM "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:160]}).") from None
+        try:
+            draft_tokenizer = AutoTokenizer.from_pretrained(spec)
+        except (OSError, ValueError):
+            draft_tokenizer = None  # a bare model folder: the vocabulary size check still applies
+        check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
+    if getattr(draft.config, "final_logit_softcapping", None):
+        raise ConfigError("the draft caps its logits (final_logit_softcapping), which the "
+                          "training forward does not apply: choose another draft architecture.")
+    draft = draft.to(device=target.device, dtype=torch.float32)
+    draft.requires_grad_(True)
+    return draft.train()
+
+
+def _positive(text: str, spec: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"train.draft={spec!r}: expected a positive integer, got {text!r}.")
+    return int(text)

@@ -1,0 +1,66 @@
+"""Predicted acceptance of a draft from the target's and the draft's distributions.
+
+On data the target wrote, the draft proposing at position t is accepted with probability
+a_t = sum_v min(p_t(v), q_t(v)) = 1 - TVD(p_t, q_t) when both sample (temperature 1), or
+a_t = [argmax q_t == argmax p_t] under greedy decoding. A chain of k draft tokens starting at t is
+accepted up to position j with probability prod_{i<j} a_{t+i} (the draft continues along the
+target's own text, which is what an accepted prefix is). Hence, over all start positions t:
+
+    alpha_j = E[prod_{i<j} a_{t+i}] / E[prod_{i<j-1} a_{t+i}]      (acceptance at draft position j)
+    tau     = 1 + sum_{j=1..k} E[prod_{i<j} a_{t+i}]                (tokens per target forward)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PredictedAcceptance:
+    tau: float
+    """Expected tokens per target forward for k draft tokens, the bonus token included."""
+    alpha: list[float]
+    """alpha_1..alpha_k: acceptance at draft position j given positions < j were accepted."""
+    windows: int
+    """Start positions averaged over."""
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "alpha": self.alpha, "windows": self.windows}
+
+
+def match_probability(target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                      greedy: bool = False) -> torch.Tensor:
+    """Per-position acceptance a = sum_v min(p, q), or [argmax q == argmax p] when greedy.
+    [N, V] x2 -> [N]."""
+    if greedy:
+        return (target_logits.argmax(-1) == draft_logits.argmax(-1)).float()
+    p = torch.softmax(target_logits.float(), -1)
+    q = torch.softmax(draft_logits.float(), -1)
+    return torch.minimum(p, q).sum(-1)
+
+
+def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """Sums over start positions of prod_{i<j} a_{t+i}, j = 1..k, for windows of k valid positions.
+
+    a [B, T] per-position acceptance, valid [B, T] bool (positions the target wrote) ->
+    (sums [k], number of windows).
+    """
+    if a.shape[1] < k:
+        return torch.zeros(k, dtype=torch.float64), 0
+    windows = a.double().unfold(1, k, 1)  # [B, T-k+1, k]
+    ok = valid.unfold(1, k, 1).all(-1)  # [B, T-k+1]
+    chains = windows.cumprod(-1)[ok]  # [W, k]
+    return chains.sum(0), int(ok.sum())
+
+
+def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:
+    """(sums [k], windows) pooled over batches -> tau and alpha_1..alpha_k."""
+    if windows == 0:
+        raise ValueError("no window of k consecutive target-written tokens to evaluate on")
+    expected = sums / windows  # [k] E[prod_{i<j} a]
+    previous = torch.cat([torch.ones(1, dtype=expected.dtype), expected[:-1]])
+    alpha = torch.where(previous > 0, expected / previous.clamp_min(1e-300), 0.0)
+    return PredictedAcceptance(tau=1.0 + float(expected.sum()),
+                               alpha=[round(float(x), 6) for x in alpha], windows=windows)

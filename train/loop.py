@@ -1,0 +1,447 @@
+"""Stage 2: distil the target into a draft on accelerate.
+
+    load stage-1 data -> frozen target + trainable draft -> resume from the last checkpoint ->
+    for each optimizer_step: G micro_steps (offline or on-policy batches; loss summed over valid
+    tokens, divided by the step's total) -> clip, step -> log, held-out predicted acceptance,
+    checkpoint -> save the draft as an HF folder.
+
+Everything a step depends on (data order, on-policy coins, learning rate) is a function of
+optimizer_step, and checkpoints hold model, optimizer, RNG and step, so resume is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from assets.target import load_target, load_tokenizer, resolve_target
+from distill.generate import end_of_turn_ids
+from distill.shards import identity_differences
+from recipe import Config, ConfigError, TrainConfig
+from train.acceptance import chained_acceptance, match_probability, summarize
+from train.data import (Batch, checkpoint_name, collate, held_out_batches, is_on_policy,
+                        latest_checkpoint, load_stage1, micro_batch_examples, sample_on_policy)
+from train.divergences import divergence
+from train.draft_init import init_draft
+
+# Config fields that may change between a checkpoint and its resume: they do not alter the
+# trajectory (data, losses, schedule), only what gets logged or kept.
+RESUMABLE_CHANGES = {"save_every", "keep_checkpoints", "eval_every", "eval_conversations"}
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or inf; the message names the step, the batch and the last checkpoint."""
+
+
+@dataclass
+class TrainState:
+    """The counters accelerate saves with each checkpoint (register_for_checkpointing)."""
+    optimizer_step: int = 0
+    tokens: int = 0  # all tokens in the micro-batches so far, every process
+    loss_tokens: int = 0
+    train_seconds: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+@dataclass
+class TrainSummary:
+    draft_dir: Path
+    optimizer_steps: int
+    before: dict | None  # held-out predicted acceptance at optimizer_step 0
+    after: dict
+    tokens: int
+    loss_tokens: int
+    train_seconds: float
+    resumed_from: int | None = None
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Dist:
+    """Rank and world from torch.distributed when it runs: accelerate 1.15 reports one process
+    for DeepSpeed on CPU although DeepSpeed runs every rank in one torch.distributed group."""
+    rank: int
+    world: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, accelerator) -> Dist:
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            return cls(torch_dist.get_rank(), torch_dist.get_world_size(), accelerator.device)
+        return cls(accelerator.process_index, accelerator.num_processes, accelerator.device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch_dist.barrier()
+
+    def sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        torch_dist.all_reduce(t)
+        return float(t.item())
+
+
+class DraftForTraining(nn.Module):
+    """The draft's logits only where a loss applies: [B, T] in, [N, V] out for the N positions of
+    pred_mask. Over a 49k vocabulary the head is the largest matmul, and most positions of a
+    conversation (the prompts) carry no loss. Wrapping keeps DDP/FSDP/DeepSpeed on the forward."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask, pred_mask):
+        hidden = self.lm.get_decoder()(input_ids=input_ids,
+                                       attention_mask=attention_mask).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden[pred_mask])  # [N, V]
+
+
+@torch.no_grad()
+def target_logits(target, batch: Batch) -> torch.Tensor:
+    """The frozen target's logits at the batch's loss positions: [N, V]."""
+    hidden = target.get_decoder()(input_ids=batch.input_ids,
+                                  attention_mask=batch.attention_mask).last_hidden_state
+    return target.get_output_embeddings()(hidden[batch.pred_mask]).float()
+
+
+def stored_target_logits(batch: Batch, vocab_size: int) -> torch.Tensor:
+    """Stage-1 top-k log-probs as logits over the vocabulary, -inf outside the k: [N, V]."""
+    logits = torch.full((batch.topk_ids.shape[0], vocab_size), -math.inf,
+                        device=batch.topk_ids.device)
+    return logits.scatter(1, batch.topk_ids, batch.topk_logprobs.float())
+
+
+def learning_rate(cfg: TrainConfig, optimizer_step: int) -> float:
+    """Linear warmup, then cosine decay to learning_rate * min_lr_ratio at max_steps."""
+    if optimizer_step < cfg.warmup_steps:
+        return cfg.learning_rate * (optimizer_step + 1) / (cfg.warmup_steps + 1)
+    progress = (optimizer_step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    floor = cfg.learning_rate * cfg.min_lr_ratio
+    return floor + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.learning_rate - floor)
+
+
+def accelerator_kwargs(cfg: Config) -> dict:
+    """Arguments of the one Accelerator the recipe creates, checked against this machine."""
+    gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    precision = cfg.train.mixed_precision
+    if precision == "fp16" and not gpu:
+        raise ConfigError("train.mixed_precision=fp16 needs a GPU; on CPU use 'bf16' (if the CPU "
+                          "has AVX512-BF16 or AMX) or 'no'.")
+    if precision == "bf16" and not gpu and not _cpu_has_bf16():
+        raise ConfigError("train.mixed_precision=bf16: this CPU lacks AVX512-BF16/AMX, so bf16 "
+                          "would be emulated and slow: set train.mixed_precision=no.")
+    kwargs = {"mixed_precision": precision,
+              "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps}
+    if cfg.tracking.tracker != "none":
+        os.environ["WANDB_MODE"] = cfg.tracking.wandb_mode
+        kwargs.update(log_with=cfg.tracking.tracker,
+                      project_dir=str(cfg.run.output_path / "train"))
+    return kwargs
+
+
+def _cpu_has_bf16() -> bool:
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)()
+               for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
+    """DeepSpeed needs batch sizes up front, since we feed it no DataLoader; and offload on a
+    machine without GPU is meaningless (the weights already live in CPU memory)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    zero = ds.get("zero_optimization", {})
+    if accelerator.device.type == "cpu":
+        for key in ("offload_optimizer", "offload_param"):
+            if zero.get(key, {}).get("device", "none") not in ("none", None):
+                raise ConfigError(f"DeepSpeed {key} is set, but this machine has no GPU and the "
+                                  f"model is already in CPU memory: set {key}_device: none in "
+                                  "the accelerate config (configs/accelerate/deepspeed-zero2.yaml).")
+    if cfg.on_policy_fraction > 0 and zero.get("stage", 0) == 3:
+        raise ConfigError("on-policy sampling needs the whole draft on each process; ZeRO-3 shards "
+                          "it: use ZeRO-2 or DDP, or set train.on_policy_fraction=0.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+    ds["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
+    ds["gradient_clipping"] = cfg.max_grad_norm
+
+
+def _resume_check(checkpoint: Path, cfg: Config) -> None:
+    import yaml
+
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    now = cfg.to_dict()
+    keys = lambda c: {"model": c["model"], "seed": c["run"]["seed"],  # noqa: E731
+                      "train": {k: v for k, v in c["train"].items() if k not in RESUMABLE_CHANGES}}
+    diffs = identity_differences(keys(saved), keys(now))
+    if diffs:
+        raise ConfigError(
+            f"the checkpoint {checkpoint} was made with another config:\n  " + "\n  ".join(diffs)
+            + f"\nResume with the config it was made with, or start over under a new run.name "
+            f"(or delete {checkpoint.parent}).")
+
+
+def _save_checkpoint(accelerator, dist: Dist, out: Path, state: TrainState, cfg: Config) -> Path:
+    folder = out / "checkpoints" / checkpoint_name(state.optimizer_step)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    accelerator.save_state(str(tmp))
+    dist.barrier()
+    if dist.is_main:  # appears complete or not at all
+        cfg.save(tmp / "config.yaml")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        kept = sorted(p for p in folder.parent.glob("step-*") if p.is_dir())
+        for old in kept[: -cfg.train.keep_checkpoints]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return folder
+
+
+class _Log:
+    """<output>/train/log.jsonl on the main process, plus the tracker; cut back on resume."""
+
+    def __init__(self, path: Path, accelerator, dist: Dist, keep_until: int):
+        self.path, self.accelerator, self.on = path, accelerator, dist.is_main
+        self.history: list[dict] = []
+        if self.on:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_file():
+                lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+                self.history = [e for e in lines if e["optimizer_step"] <= keep_until]
+            path.write_text("".join(json.dumps(e) + "\n" for e in self.history))
+
+    def write(self, entry: dict) -> None:
+        if not self.on:
+            return
+        self.history.append(entry)
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        flat = {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+        for name, value in entry.get("held_out", {}).items():
+            if isinstance(value, (int, float)):
+                flat[f"held_out/{name}"] = value
+        if self.accelerator.trackers:
+            self.accelerator.log(flat, step=entry["optimizer_step"])
+
+
+@torch.no_grad()
+def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
+                      device: torch.device) -> dict:
+    """Loss and predicted acceptance (tau, alpha_1..alpha_k for k = eval_k) on held-out data,
+    for sampling at temperature 1 (sum min(p, q)) and for greedy decoding (argmax match)."""
+    k = cfg.eval_k
+    sums = {"sampled": torch.zeros(k, dtype=torch.float64),
+            "greedy": torch.zeros(k, dtype=torch.float64)}
+    windows, loss_sum, tokens = 0, 0.0, 0
+    for batch in batches:
+        batch = batch.to(device)
+        pred = batch.pred_mask
+        q_logits = model(batch.input_ids, batch.attention_mask, pred).float()  # [N, V]
+        p_logits = target_logits(target, batch)
+        loss = divergence(cfg.loss_terms, p_logits, q_logits, batch.labels,
+                          beta=cfg.jsd_beta, temperature=cfg.temperature)
+        loss_sum, tokens = loss_sum + float(loss.sum()), tokens + loss.numel()
+        for mode in sums:
+            a = torch.zeros(pred.shape, dtype=torch.float64, device=device)  # [B, T]
+            a[pred] = match_probability(p_logits, q_logits, greedy=mode == "greedy").double()
+            chain, n = chained_acceptance(a.cpu(), pred.cpu(), k)
+            sums[mode] += chain
+        windows += n
+    sampled, greedy = summarize(sums["sampled"], windows), summarize(sums["greedy"], windows)
+    return {"loss": loss_sum / max(tokens, 1), "tau": sampled.tau, "alpha": sampled.alpha,
+            "greedy_tau": greedy.tau, "greedy_alpha": greedy.alpha, "windows": windows, "k": k}
+
+
+def train_draft(cfg: Config, accelerator) -> TrainSummary:
+    """Train cfg.train.draft against the target on this run's stage-1 data; resumable."""
+    out = cfg.run.output_path / "train"
+    final = out / "draft"
+    tcfg = cfg.train
+    if (final / "draftsmith_train.json").is_file():
+        _resume_check(final, cfg)
+        accelerator.print(f"[train] {final} is already trained; not redoing it.")
+        done = json.loads((final / "draftsmith_train.json").read_text())
+        return TrainSummary(final, done["optimizer_steps"], done["before"], done["after"],
+                            done["tokens"], done["loss_tokens"], done["train_seconds"])
+
+    resolved = resolve_target(cfg.model)
+    tokenizer = load_tokenizer(resolved)
+    data = load_stage1(cfg, resolved.fingerprint)
+    device = accelerator.device
+    target = load_target(resolved, cfg.model.dtype, device)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
+
+    torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
+    draft = init_draft(tcfg.draft, target, tokenizer)
+    if tcfg.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        draft = get_peft_model(draft, LoraConfig(r=tcfg.lora_rank, lora_alpha=tcfg.lora_alpha,
+                                                 target_modules=tcfg.lora_targets))
+    model = DraftForTraining(draft)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=tcfg.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=tcfg.weight_decay)
+    _configure_deepspeed(accelerator, tcfg)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    dist = Dist.of(accelerator)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    if checkpoint is not None:
+        _resume_check(checkpoint, cfg)
+        accelerator.load_state(str(checkpoint))
+        accelerator.print(f"[train] resumed from {checkpoint} (optimizer_step "
+                          f"{state.optimizer_step})")
+    resumed_from = state.optimizer_step if checkpoint is not None else None
+    if dist.is_main:
+        cfg.save(out / "config.yaml")
+    if accelerator.trackers == [] and cfg.tracking.tracker != "none" and dist.is_main:
+        accelerator.init_trackers(cfg.tracking.project, config=cfg.to_dict(), init_kwargs={
+            "wandb": {"name": cfg.run.name, "dir": str(out)}})
+    log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
+    held_out = held_out_batches(data, cfg, pad_id)
+    G, world = tcfg.gradient_accumulation_steps, dist.world
+    needs_target = any(name != "ce" for _, name in tcfg.loss_terms)
+
+    def held_out_eval() -> dict:
+        result = evaluate_held_out(model, target, held_out, tcfg, device)
+        accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
+                          f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
+                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
+                          f"alpha {result['alpha']}")
+        log.write({"optimizer_step": state.optimizer_step, "held_out": result})
+        return result
+
+    before = held_out_eval() if state.optimizer_step == 0 else None
+    last_eval = before
+    model.train()
+    while state.optimizer_step < tcfg.max_steps:
+        started = time.perf_counter()
+        lr = learning_rate(tcfg, state.optimizer_step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batches = []
+        for micro_step in range(G):
+            p = (state.optimizer_step * G + micro_step) * world + dist.rank
+            examples = micro_batch_examples(data.train, p, tcfg.micro_batch_size, cfg.run.seed)
+            if is_on_policy(p, tcfg.on_policy_fraction, cfg.run.seed):
+                batches.append(sample_on_policy(
+                    accelerator.unwrap_model(model).lm, examples,
+                    max_new_tokens=tcfg.on_policy_max_new_tokens,
+                    temperature=tcfg.on_policy_temperature, eos_ids=eos_ids, pad_id=pad_id,
+                    max_len=tcfg.max_seq_len).to(device))
+            else:
+                batches.append(collate(examples, pad_id, tcfg.max_seq_len).to(device))
+        # the step's loss is sum(token losses) / (loss tokens of every micro-batch on every
+        # process); accelerate divides by G and DDP/DeepSpeed average over processes: undo both
+        step_tokens = dist.sum(sum(b.loss_tokens for b in batches))
+        scale = G * world / step_tokens
+        loss_sum, grad_norm = 0.0, None
+        for micro_step, batch in enumerate(batches):
+            with accelerator.accumulate(model):
+                pred = batch.pred_mask
+                draft_logits = model(batch.input_ids, batch.attention_mask, pred)
+                if not needs_target:  # hard-label CE alone
+                    p_logits = None
+                elif tcfg.target_logits == "topk" and not batch.on_policy:
+                    p_logits = stored_target_logits(batch, vocab_size)
+                else:
+                    p_logits = target_logits(target, batch)
+                loss = divergence(tcfg.loss_terms, p_logits, draft_logits, batch.labels,
+                                  beta=tcfg.jsd_beta, temperature=tcfg.temperature).sum()
+                if dist.sum(float(not torch.isfinite(loss))) > 0:
+                    raise TrainingDiverged(
+                        f"the loss is {loss.item()} at optimizer_step {state.optimizer_step} "
+                        f"micro_step {micro_step} (process {dist.rank}, conversations "
+                        f"{batch.ids}). Nothing after the last checkpoint "
+                        f"({latest_checkpoint(out / 'checkpoints') or 'none yet'}) was saved; "
+                        "lower train.learning_rate or raise train.warmup_steps, then resume.")
+                accelerator.backward(loss * scale)
+                loss_sum += float(loss.detach())
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+        state.optimizer_step += 1
+        state.tokens += int(dist.sum(sum(int(b.attention_mask.sum()) for b in batches)))
+        state.loss_tokens += int(step_tokens)
+        state.train_seconds += time.perf_counter() - started
+        log.write({"optimizer_step": state.optimizer_step, "loss": dist.sum(loss_sum) / step_tokens,
+                   "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+                   "tokens": state.tokens, "loss_tokens": state.loss_tokens,
+                   "tokens_per_s": state.tokens / state.train_seconds,
+                   "on_policy_micro_batches": sum(b.on_policy for b in batches)})
+        done = state.optimizer_step == tcfg.max_steps
+        if done or state.optimizer_step % tcfg.eval_every == 0:
+            model.eval()
+            last_eval = held_out_eval()
+            model.train()
+        if done or state.optimizer_step % tcfg.save_every == 0:
+            _save_checkpoint(accelerator, dist, out, state, cfg)
+    if last_eval is None:  # resumed at the very end
+        last_eval = held_out_eval()
+    before = before or next((e["held_out"] for e in log.history
+                             if e["optimizer_step"] == 0 and "held_out" in e), None)
+    summary = TrainSummary(final, state.optimizer_step, before, last_eval, state.tokens,
+                           state.loss_tokens, state.train_seconds, resumed_from, log.history)
+    _save_draft(accelerator, dist, model, tokenizer, cfg, summary)
+    accelerator.end_training()
+    return summary
+
+
+def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config,
+                summary: TrainSummary) -> None:
+    """The trained draft as an HF folder (LoRA merged), with the resolved config and figures."""
+    state_dict = accelerator.get_state_dict(model)  # gathered from FSDP/ZeRO-3 shards
+    if not dist.is_main:
+        dist.barrier()
+        return
+    final = summary.draft_dir
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm = accelerator.unwrap_model(model).lm
+    if cfg.train.lora_rank:
+        lm = lm.merge_and_unload()
+        lm.save_pretrained(tmp)
+    else:
+        lm.save_pretrained(tmp, state_dict={k.removeprefix("lm."): v
+                                            for k, v in state_dict.items()})
+    tokenizer.save_pretrained(tmp)
+    cfg.save(tmp / "config.yaml")
+    (tmp / "draftsmith_train.json").write_text(json.dumps({
+        "optimizer_steps": summary.optimizer_steps, "before": summary.before,
+        "after": summary.after, "tokens": summary.tokens, "loss_tokens": summary.loss_tokens,
+        "train_seconds": summary.train_seconds}, indent=2) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    accelerator.print(f"[train] draft saved to {final}")
+    dist.barrier()
+
