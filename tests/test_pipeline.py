@@ -19,10 +19,13 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path):
          f"data.sources=[{prompts}]", f"run.output_dir={out}", "data.max_prompts=null",
          "data.max_prompt_tokens=null", "generation.max_new_tokens=8", f"eval.prompts={prompts}",
          "eval.num_prompts=2",
-         "eval.max_new_tokens=8", "eval.draft=layer-truncated:1"],
+         "eval.max_new_tokens=8", "data.held_out_fraction=0.34", "train.draft=layer-truncated:1",
+         "train.max_steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
+         "train.eval_k=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert (out / "train" / "draft" / "draftsmith_train.json").is_file()
     report = json.loads((out / "eval" / "results.json").read_text())
     assert set(report["methods"]) == {"target", "hf_generate", "speculative", "hf_assisted",
                                       "prompt_lookup"}

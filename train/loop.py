@@ -108,6 +108,7 @@ class DraftForTraining(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
 
     def forward(self, input_ids, attention_mask, pred_mask):
         hidden = self.lm.get_decoder()(input_ids=input_ids,
@@ -374,7 +375,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                 elif tcfg.target_logits == "topk" and not batch.on_policy:
                     p_logits = stored_target_logits(batch, vocab_size)
                 else:
-                    p_logits = target_logits(target, batch)
+                    with accelerator.autocast():  # the target's matmuls in the same precision
+                        p_logits = target_logits(target, batch)
                 loss = divergence(tcfg.loss_terms, p_logits, draft_logits, batch.labels,
                                   beta=tcfg.jsd_beta, temperature=tcfg.temperature).sum()
                 if dist.sum(float(not torch.isfinite(loss))) > 0:

@@ -14,7 +14,8 @@ from tests.conftest import chat_records, write_jsonl
 def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
     return [f"model.target={tiny_target}", f"data.sources=[{prompts}]", f"run.output_dir={out}",
             "data.max_prompts=null", "data.max_prompt_tokens=null", "data.held_out_fraction=0.25",
-            "generation.max_new_tokens=24", "train.draft=layer-truncated:1",
+            "generation.max_new_tokens=24", "generation.top_k_logprobs=8",
+            "train.draft=layer-truncated:1",
             "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
             "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
             "train.save_every=3", "train.eval_every=3", "train.eval_k=3"]
@@ -46,3 +47,13 @@ def tiny_run(tiny_target, tiny_stage1, tmp_path):
         return load_config("configs/smollm2-135m-independent.yaml",
                            tiny_overrides(tiny_target, prompts, out) + list(overrides))
     return make
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

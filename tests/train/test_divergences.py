@@ -64,3 +64,26 @@ def test_gradients_are_finite_even_for_peaked_logits(fn):
 def test_beta_out_of_range_is_refused():
     with pytest.raises(ValueError, match="beta"):
         generalized_jsd(P, Q, beta=1.5)
+
+
+def test_topk_target_with_minus_inf_outside_its_support():
+    from train.divergences import divergence
+
+    sparse = torch.full_like(P, float("-inf"))
+    top = P.topk(3, dim=-1)
+    sparse.scatter_(1, top.indices, top.values)
+    for fn in (forward_kl, tvd, lambda p, q: generalized_jsd(p, q, beta=0.5)):
+        value = fn(sparse, Q)
+        assert torch.isfinite(value).all()
+    p_top = torch.softmax(top.values, -1)  # forward KL over the k tokens only
+    log_q_top = torch.log_softmax(Q, -1).gather(1, top.indices)
+    torch.testing.assert_close(forward_kl(sparse, Q), (p_top * (p_top.log() - log_q_top)).sum(-1))
+    mix = divergence([(0.25, "fkl"), (0.75, "tvd")], sparse, Q, torch.zeros(6, dtype=torch.long))
+    torch.testing.assert_close(mix, 0.25 * forward_kl(sparse, Q) + 0.75 * tvd(sparse, Q))
+
+
+def test_mix_with_hard_ce_needs_no_target_logits():
+    from train.divergences import divergence
+
+    labels = torch.arange(6)
+    torch.testing.assert_close(divergence([(1.0, "ce")], None, Q, labels), hard_ce(Q, labels))

@@ -3,21 +3,162 @@
 from __future__ import annotations
 
 import json
+import shutil
+from types import SimpleNamespace
 
+import pytest
+import torch
 from accelerate import Accelerator
 
-from train.loop import train_draft
+from recipe import ConfigError
+from train import TrainingDiverged, accelerator_kwargs, train_draft
+from train.data import checkpoint_name
+
+
+def _train(cfg):
+    return train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
+
+
+def _log(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "train" / "log.jsonl").read_text().splitlines()]
 
 
 def _losses(out) -> dict[int, float]:
-    lines = [json.loads(line) for line in (out / "train" / "log.jsonl").read_text().splitlines()]
-    return {e["optimizer_step"]: e["loss"] for e in lines if "loss" in e}
+    return {e["optimizer_step"]: e["loss"] for e in _log(out) if "loss" in e}
 
 
-def test_tiny_draft_learns(tiny_run):
-    cfg = tiny_run()
-    summary = train_draft(cfg, Accelerator(cpu=True, **{"gradient_accumulation_steps": 2}))
-    print(json.dumps(summary.before), json.dumps(summary.after))
+def test_a_fresh_tiny_draft_learns_the_target(tiny_run):
+    cfg = tiny_run("train.draft=fresh:1", "train.loss=fkl")
+    summary = _train(cfg)
     losses = _losses(cfg.run.output_path)
-    print(losses)
-    assert summary.after["loss"] < summary.before["loss"]
+    assert list(losses) == [1, 2, 3, 4, 5, 6]
+    assert losses[6] < 0.8 * losses[1]
+    assert summary.after["loss"] < 0.8 * summary.before["loss"]
+    assert summary.after["tau"] > summary.before["tau"]
+    assert (cfg.run.output_path / "train" / "draft" / "config.yaml").is_file()
+    draft_config = json.loads((summary.draft_dir / "config.json").read_text())
+    assert draft_config["num_hidden_layers"] == 1
+
+
+def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
+    cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd")
+    _train(cfg)
+    full = _losses(cfg.run.output_path)
+    full_after = json.loads((cfg.run.output_path / "train" / "draft" /
+                             "draftsmith_train.json").read_text())["after"]
+    # what a kill right after the step-3 checkpoint leaves behind
+    killed = tmp_path / "killed"
+    shutil.copytree(cfg.run.output_path, killed)
+    shutil.rmtree(killed / "train" / "draft")
+    shutil.rmtree(killed / "train" / "checkpoints" / checkpoint_name(6))
+    resumed_cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", f"run.output_dir={killed}")
+    summary = _train(resumed_cfg)
+    assert summary.resumed_from == 3
+    resumed = _losses(killed)
+    assert list(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], abs=1e-4)
+    assert summary.after["tau"] == pytest.approx(full_after["tau"], abs=1e-4)
+
+
+def test_resume_with_another_config_is_refused(tiny_run):
+    cfg = tiny_run("train.max_steps=3", "train.warmup_steps=1")
+    _train(cfg)
+    shutil.rmtree(cfg.run.output_path / "train" / "draft")
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        _train(tiny_run("train.max_steps=3", "train.warmup_steps=1", "train.learning_rate=1e-2"))
+    # logging-only settings may change
+    summary = _train(tiny_run("train.max_steps=3", "train.warmup_steps=1", "train.eval_every=1"))
+    assert summary.resumed_from == 3
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tiny_run, monkeypatch):
+    import train.loop
+
+    calls = {"n": 0}
+    real = train.loop.divergence
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1
+        value = real(*args, **kwargs)
+        # call 1 is the step-0 held-out eval; micro_steps of step 1 are calls 2-3; step 2: 4-5
+        return value * float("nan") if calls["n"] == 5 else value
+
+    monkeypatch.setattr(train.loop, "divergence", poisoned)
+    cfg = tiny_run("train.save_every=1", "train.eval_every=100")
+    with pytest.raises(TrainingDiverged, match=r"optimizer_step 1 micro_step 1 .*step-00000001"):
+        _train(cfg)
+    checkpoints = sorted(p.name for p in (cfg.run.output_path / "train" / "checkpoints").iterdir())
+    assert checkpoints == [checkpoint_name(1)]
+    assert not (cfg.run.output_path / "train" / "draft").exists()
+
+
+def test_a_draft_with_another_vocabulary_is_rejected(tiny_run, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "other_vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(folder)
+    with pytest.raises(ConfigError, match="vocabulary has 1000 tokens"):
+        _train(tiny_run(f"train.draft={folder}"))
+
+
+def test_data_from_another_target_is_rejected(tiny_run):
+    cfg = tiny_run()
+    manifest_path = cfg.run.output_path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["identity"]["target"]["fingerprint"] = "folder-sha256:0000"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="written by target"):
+        _train(cfg)
+
+
+def test_gpu_only_options_are_refused_on_cpu(tiny_run):
+    from train.loop import _configure_deepspeed
+
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        accelerator_kwargs(tiny_run("train.mixed_precision=fp16"))
+    plugin = SimpleNamespace(deepspeed_config={
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    fake = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin),
+                           device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="offload_optimizer"):
+        _configure_deepspeed(fake, tiny_run().train)
+
+
+def test_on_policy_batches_are_sampled_by_the_draft(tiny_run):
+    cfg = tiny_run("train.on_policy_fraction=1.0", "train.on_policy_max_new_tokens=8",
+                   "train.max_steps=2", "train.warmup_steps=0")
+    _train(cfg)
+    steps = [e for e in _log(cfg.run.output_path) if "loss" in e]
+    assert [e["on_policy_micro_batches"] for e in steps] == [2, 2]
+    assert all(e["loss_tokens"] <= 2 * 2 * 8 * e["optimizer_step"] for e in steps)
+
+
+def test_topk_targets_lora_and_a_narrow_fresh_draft_train(tiny_run):
+    from transformers import AutoModelForCausalLM
+
+    topk = tiny_run("train.target_logits=topk", "train.loss=fkl", "train.max_steps=2",
+                    "train.warmup_steps=0", "train.draft=fresh:1x32")
+    summary = _train(topk)
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in summary.history if "loss" in e)
+    assert json.loads((summary.draft_dir / "config.json").read_text())["hidden_size"] == 32
+    shutil.rmtree(topk.run.output_path / "train")
+
+    lora = tiny_run("train.lora_rank=4", "train.max_steps=2", "train.warmup_steps=0")
+    summary = _train(lora)
+    draft = AutoModelForCausalLM.from_pretrained(summary.draft_dir)  # merged: a plain model
+    assert not any("lora" in name for name, _ in draft.named_parameters())
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb"])
+def test_trackers_write_offline(tiny_run, tracker):
+    cfg = tiny_run(f"tracking.tracker={tracker}", "train.max_steps=2", "train.warmup_steps=0")
+    _train(cfg)
+    out = cfg.run.output_path / "train"
+    if tracker == "tensorboard":
+        assert list(out.rglob("events.out.tfevents.*"))
+    else:
+        runs = list((out / "wandb").glob("offline-run-*"))
+        assert runs and list(runs[0].glob("*.wandb"))
