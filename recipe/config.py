@@ -264,8 +264,9 @@ class TrainConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast for the draft's forward ('fp16' needs a GPU; 'bf16' on CPU needs AVX512-BF16/AMX)."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """Autocast of the draft's and the target's matmuls in training ('fp16' needs a GPU; 'bf16'
+    on CPU needs AVX512-BF16/AMX). 'auto': bf16 where the device runs it natively, else 'no'."""
     lora_rank: int = 0
     """0: train all weights. > 0: PEFT LoRA adapters of this rank (merged into the saved draft)."""
     lora_alpha: int = 16
@@ -375,6 +376,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
     if origin is Literal:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` as false
+            value = "no"
         if value not in args:
             raise ConfigError(f"{where}={value!r} is not one of {list(args)}.")
         return value

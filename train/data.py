@@ -172,7 +172,7 @@ def sample_on_policy(draft, examples: list[Example], *, max_new_tokens: int, tem
     prompts = [prompt_of(e)[: max_len - max_new_tokens] for e in examples]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=1)
     replies = generate_replies(draft, prompts, gen, eos_ids, pad_id)
-    sampled = [Example(e.id, p + r.tokens, [0] * len(p) + [1] * len(r.tokens))
+    sampled = [Example(e.id, p + r.token_ids, [0] * len(p) + [1] * len(r.token_ids))
                for e, p, r in zip(examples, prompts, replies)]
     batch = collate(sampled, pad_id, max_len)
     batch.on_policy = True

@@ -144,6 +144,9 @@ def accelerator_kwargs(cfg: Config) -> dict:
     """Arguments of the one Accelerator the recipe creates, checked against this machine."""
     gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
     precision = cfg.train.mixed_precision
+    if precision == "auto":
+        native = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else _cpu_has_bf16()
+        precision = "bf16" if native else "no"
     if precision == "fp16" and not gpu:
         raise ConfigError("train.mixed_precision=fp16 needs a GPU; on CPU use 'bf16' (if the CPU "
                           "has AVX512-BF16 or AMX) or 'no'.")
@@ -152,6 +155,10 @@ def accelerator_kwargs(cfg: Config) -> dict:
                           "would be emulated and slow: set train.mixed_precision=no.")
     kwargs = {"mixed_precision": precision,
               "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps}
+    if not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        # accelerate 1.15 makes processes started by its (torchrun) launcher a gloo group only
+        # when told cpu=True; DeepSpeed runs its own group (see Dist)
+        kwargs["cpu"] = True
     if cfg.tracking.tracker != "none":
         os.environ["WANDB_MODE"] = cfg.tracking.wandb_mode
         kwargs.update(log_with=cfg.tracking.tracker,
@@ -325,7 +332,9 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     if dist.is_main:
         cfg.save(out / "config.yaml")
     if accelerator.trackers == [] and cfg.tracking.tracker != "none" and dist.is_main:
-        accelerator.init_trackers(cfg.tracking.project, config=cfg.to_dict(), init_kwargs={
+        flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
+                for section, values in cfg.to_dict().items() for key, value in values.items()}
+        accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs={
             "wandb": {"name": cfg.run.name, "dir": str(out)}})
     log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
     held_out = held_out_batches(data, cfg, pad_id)
@@ -381,7 +390,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                                   beta=tcfg.jsd_beta, temperature=tcfg.temperature).sum()
                 if dist.sum(float(not torch.isfinite(loss))) > 0:
                     raise TrainingDiverged(
-                        f"the loss is {loss.item()} at optimizer_step {state.optimizer_step} "
+                        f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
                         f"micro_step {micro_step} (process {dist.rank}, conversations "
                         f"{batch.ids}). Nothing after the last checkpoint "
                         f"({latest_checkpoint(out / 'checkpoints') or 'none yet'}) was saved; "
@@ -415,7 +424,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     summary = TrainSummary(final, state.optimizer_step, before, last_eval, state.tokens,
                            state.loss_tokens, state.train_seconds, resumed_from, log.history)
     _save_draft(accelerator, dist, model, tokenizer, cfg, summary)
-    accelerator.end_training()
+    for tracker in accelerator.trackers:  # not end_training(): it ends the process group
+        tracker.finish()
     return summary
 
 

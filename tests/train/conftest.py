@@ -18,7 +18,8 @@ def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
             "train.draft=layer-truncated:1",
             "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
             "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
-            "train.save_every=3", "train.eval_every=3", "train.eval_k=3"]
+            "train.save_every=3", "train.eval_every=3", "train.eval_k=3",
+            "train.mixed_precision=no"]
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,7 @@ def tiny_stage1(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
     out = root / "run"
     run_distill(load_config("configs/smollm2-135m-independent.yaml",
                             tiny_overrides(tiny_target, prompts, out)), Accelerator(cpu=True))
+    _reset_accelerate()
     return prompts, out
 
 
@@ -53,6 +55,10 @@ def tiny_run(tiny_target, tiny_stage1, tmp_path):
 def fresh_accelerate_state():
     """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
     yield
+    _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
