@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                      "after": summary.after, "tokens": summary.tokens,
                      "loss_tokens": summary.loss_tokens, "train_seconds": summary.train_seconds,
                      "tokens_per_s": summary.tokens / max(summary.train_seconds, 1e-9),
-                     "wall_s": spent["wall_s"], "cpu_s": spent["cpu_s"]})
+                     "wall_s": spent["wall_s"], "cpu_s": spent["cpu_s"],
+                     "curve": _curve(out / "train" / "log.jsonl")})
 
     t = base.train
     print(f"\ndraft {t.draft}, {t.max_steps} optimizer steps x {t.micro_batch_size} x "
@@ -89,10 +90,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{a['greedy_tau']:.3f} | {a['tau'] / b['tau']:.2f}x / "
               f"{a['greedy_tau'] / b['greedy_tau']:.2f}x | {a['alpha']} | {r['tokens']} | "
               f"{r['tokens_per_s']:.0f} | {_fmt(r['wall_s'])} | {_fmt(r['cpu_s'])} |")
+    print("\nheld-out predicted tau (T=1 | greedy) by optimizer_step:")
+    for r in rows:
+        print(f"  {r['loss']}: " + ", ".join(f"{step}: {tau:.3f} | {greedy:.3f}"
+                                             for step, tau, greedy in r["curve"]))
     results = base.run.output_path / "bench-train" / "results.json"
     results.write_text(json.dumps({"config": base.to_dict(), "runs": rows}, indent=2) + "\n")
     print(f"\nwritten {results}")
     return 0
+
+
+def _curve(log: Path) -> list[tuple[int, float, float]]:
+    """(optimizer_step, tau, greedy tau) of every held-out evaluation in a training log."""
+    entries = [json.loads(line) for line in log.read_text().splitlines() if line]
+    return [(e["optimizer_step"], e["held_out"]["tau"], e["held_out"]["greedy_tau"])
+            for e in entries if "held_out" in e]
 
 
 def _fmt(x) -> str:

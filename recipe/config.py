@@ -267,6 +267,11 @@ class TrainConfig:
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """Autocast of the draft's and the target's matmuls in training ('fp16' needs a GPU; 'bf16'
     on CPU needs AVX512-BF16/AMX). 'auto': bf16 where the device runs it natively, else 'no'."""
+    freeze_embeddings: bool | None = None
+    """Keep the draft's input embeddings and output head fixed (as EAGLE and Medusa do): with a
+    softmax over the whole vocabulary every row of the head gets a gradient at every step, and
+    Adam moves the rows of tokens the data never shows as far as the others. None: frozen unless
+    the draft is 'fresh:' (random embeddings must learn)."""
     lora_rank: int = 0
     """0: train all weights. > 0: PEFT LoRA adapters of this rank (merged into the saved draft)."""
     lora_alpha: int = 16

@@ -54,7 +54,7 @@ class Batch:
         return int(self.loss_mask[:, 1:].sum())
 
     def to(self, device: torch.device) -> Batch:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device)
         return Batch(self.ids, move(self.input_ids), move(self.attention_mask),
                      move(self.loss_mask), move(self.topk_ids), move(self.topk_logprobs),
                      self.on_policy)

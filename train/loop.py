@@ -28,8 +28,17 @@ from distill.generate import end_of_turn_ids
 from distill.shards import identity_differences
 from recipe import Config, ConfigError, TrainConfig
 from train.acceptance import chained_acceptance, match_probability, summarize
-from train.data import (Batch, checkpoint_name, collate, held_out_batches, is_on_policy,
-                        latest_checkpoint, load_stage1, micro_batch_examples, sample_on_policy)
+from train.data import (
+    Batch,
+    checkpoint_name,
+    collate,
+    held_out_batches,
+    is_on_policy,
+    latest_checkpoint,
+    load_stage1,
+    micro_batch_examples,
+    sample_on_policy,
+)
 from train.divergences import divergence
 from train.draft_init import init_draft
 
@@ -199,11 +208,12 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
 def _resume_check(checkpoint: Path, cfg: Config) -> None:
     import yaml
 
+    def trajectory(c: dict) -> dict:  # the settings a resumed run must share
+        return {"model": c["model"], "seed": c["run"]["seed"],
+                "train": {k: v for k, v in c["train"].items() if k not in RESUMABLE_CHANGES}}
+
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    now = cfg.to_dict()
-    keys = lambda c: {"model": c["model"], "seed": c["run"]["seed"],  # noqa: E731
-                      "train": {k: v for k, v in c["train"].items() if k not in RESUMABLE_CHANGES}}
-    diffs = identity_differences(keys(saved), keys(now))
+    diffs = identity_differences(trajectory(saved), trajectory(cfg.to_dict()))
     if diffs:
         raise ConfigError(
             f"the checkpoint {checkpoint} was made with another config:\n  " + "\n  ".join(diffs)
@@ -307,6 +317,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
 
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
     draft = init_draft(tcfg.draft, target, tokenizer)
+    freeze = tcfg.freeze_embeddings
+    if freeze if freeze is not None else not tcfg.draft.startswith("fresh:"):
+        draft.get_input_embeddings().requires_grad_(False)
+        draft.get_output_embeddings().requires_grad_(False)
     if tcfg.lora_rank:
         from peft import LoraConfig, get_peft_model
 

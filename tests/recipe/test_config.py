@@ -38,7 +38,7 @@ def test_override_beats_yaml(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.max_promts=3"], "valid keys of 'data': sources, max_prompts"),
-    (["trainer.lr=1"], "valid sections: run, model, data, generation, eval"),
+    (["trainer.lr=1"], "valid sections: run, model, data, generation, train, tracking, eval"),
     (["data.max_prompts=many"], "must be an integer"),
     (["model.dtype=float8"], "is not one of"),
     (["generation.max_new_tokens"], "write section.field=value"),
@@ -82,3 +82,15 @@ def test_resolved_config_round_trips(tmp_path):
 def test_parse_overrides_reads_yaml_scalars():
     assert parse_overrides(["a.b=1", "--c.d", "x y", "e.f=true", "g.h=[1, 2]"]) == [
         ("a.b", 1), ("c.d", "x y"), ("e.f", True), ("g.h", [1, 2])]
+
+
+def test_train_section_reads_yaml_1_1_scalars_and_rejects_bad_losses():
+    cfg = load_config(None, ["train.learning_rate=3e-4", "train.mixed_precision=no",
+                             "train.loss=0.25*fkl+0.75*tvd"])
+    assert cfg.train.learning_rate == 3e-4 and cfg.train.mixed_precision == "no"
+    assert cfg.train.loss_terms == [(0.25, "fkl"), (0.75, "tvd")]
+    for bad, message in [("train.loss=kl", "weighted mix"), ("train.loss=-1*tvd", "weighted mix"),
+                         ("train.warmup_steps=200", "warmup_steps"),
+                         ("train.target_logits=topk train.loss=rkl", "reverse KL")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad.split())

@@ -52,7 +52,7 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
                                                           launch_config),
          str(ROOT / "distill.py"), "--config",
          str(ROOT / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train", *overrides],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(out)
     assert list(losses) == [1, 2, 3, 4]
