@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     t = base.train
     print(f"\ndraft {t.draft}, {t.max_steps} optimizer steps x {t.micro_batch_size} x "
           f"{t.gradient_accumulation_steps} conversations, lr {t.learning_rate}, precision "
-          f"{t.mixed_precision}; predicted tau for k={t.eval_k} on held-out data "
+          f"{accelerator_kwargs(base)['mixed_precision']}; predicted tau for k={t.eval_k} on held-out data "
           "(sampled T=1 | greedy)")
     print("| loss | tau before | tau after | after/before | alpha after (T=1) | tokens | "
           "tokens/s | wall s | CPU s |")

@@ -163,3 +163,67 @@ def test_trackers_write_offline(tiny_run, tracker):
     else:
         runs = list((out / "wandb").glob("offline-run-*"))
         assert runs and list(runs[0].glob("*.wandb"))
+
+
+def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_run, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    overrides = ["train.max_steps=24", "train.save_every=1", "train.eval_every=100",
+                 "train.warmup_steps=2"]
+    reference = tiny_run(*overrides)
+    _train(reference)
+    expected = _losses(reference.run.output_path)
+
+    killed = tmp_path / "killed"
+    shutil.copytree(reference.run.output_path, killed,
+                    ignore=shutil.ignore_patterns("train"))  # the stage-1 data only
+    cfg = tiny_run(*overrides, f"run.output_dir={killed}")
+    root = Path(__file__).parents[2]
+    command = [sys.executable, str(root / "distill.py"), "--config",
+               str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
+               *[f"{section}.{key}={value}" for section, values in cfg.to_dict().items()
+                 for key, value in values.items() if section in ("run", "model", "train")
+                 and value is not None and not isinstance(value, list)]]
+    process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    checkpoints = killed / "train" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / checkpoint_name(2)).is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (killed / "train" / "draft").exists()  # killed mid-run, not after it
+    last = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
+    assert last < 24
+
+    resumed = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600,
+                             check=False)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {checkpoints / checkpoint_name(last)}" in resumed.stdout
+    losses = _losses(killed)
+    assert list(losses) == list(range(1, 25))
+    for step in range(1, 25):
+        assert losses[step] == pytest.approx(expected[step], abs=1e-4), step
+
+
+def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
+    from assets.target import load_target, load_tokenizer, resolve_target
+    from train.data import held_out_batches, load_stage1
+    from train.loop import DraftForTraining, evaluate_held_out
+
+    cfg = tiny_run()
+    resolved = resolve_target(cfg.model)
+    target = load_target(resolved, "float32", torch.device("cpu"))
+    data = load_stage1(cfg, resolved.fingerprint)
+    batches = held_out_batches(data, cfg, load_tokenizer(resolved).pad_token_id)
+    result = evaluate_held_out(DraftForTraining(target), target, batches, cfg.train,
+                               torch.device("cpu"))
+    assert result["tau"] == pytest.approx(cfg.train.eval_k + 1, abs=1e-4)
+    assert result["greedy_tau"] == cfg.train.eval_k + 1
+    assert result["loss"] == pytest.approx(0.0, abs=1e-5)
