@@ -318,7 +318,9 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
     draft = init_draft(tcfg.draft, target, tokenizer)
     freeze = tcfg.freeze_embeddings
-    if freeze if freeze is not None else not tcfg.draft.startswith("fresh:"):
+    if freeze is None:  # a fresh draft's embeddings are random and must learn
+        freeze = not tcfg.draft.startswith("fresh:")
+    if freeze:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     if tcfg.lora_rank:
@@ -387,7 +389,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         # the step's loss is sum(token losses) / (loss tokens of every micro-batch on every
         # process); accelerate divides by G and DDP/DeepSpeed average over processes: undo both
         step_tokens = dist.sum(sum(b.loss_tokens for b in batches))
-        scale = G * world / step_tokens
+        scale = G * world / max(step_tokens, 1)  # 0 only if truncation left no reply token
         loss_sum, grad_norm = 0.0, None
         for micro_step, batch in enumerate(batches):
             with accelerator.accumulate(model):
@@ -419,7 +421,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         state.tokens += int(dist.sum(sum(int(b.attention_mask.sum()) for b in batches)))
         state.loss_tokens += int(step_tokens)
         state.train_seconds += time.perf_counter() - started
-        log.write({"optimizer_step": state.optimizer_step, "loss": dist.sum(loss_sum) / step_tokens,
+        log.write({"optimizer_step": state.optimizer_step,
+                   "loss": dist.sum(loss_sum) / max(step_tokens, 1),
                    "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                    "tokens": state.tokens, "loss_tokens": state.loss_tokens,
                    "tokens_per_s": state.tokens / state.train_seconds,
