@@ -105,16 +105,22 @@ def load_draft(spec: str, target, target_tokenizer, dtype, device):
 
         n = int(spec.split(":", 1)[1])
         return f"target's first {n} layers (untrained)", layer_truncated(target, n)
+    draft = pretrained_draft(spec, target, target_tokenizer, dtype).eval().to(device)
+    draft.requires_grad_(False)
+    return spec, draft
+
+
+def pretrained_draft(spec: str, target, target_tokenizer, dtype):
+    """An HF causal LM folder / hub id, its vocabulary checked against the target's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    draft = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval().to(device)
-    draft.requires_grad_(False)
+    draft = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError):
         draft_tokenizer = None  # a bare model folder: the vocabulary size check still applies
     check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
-    return spec, draft
+    return draft
 
 
 class PromptLookupDraft:

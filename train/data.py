@@ -64,7 +64,6 @@ class Batch:
 class TrainData:
     train: list[Example]
     held_out: list[Example]
-    has_topk: bool
 
 
 def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
@@ -102,7 +101,7 @@ def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
         raise ConfigError(f"{len(splits['train'])} training conversations in {out}, fewer than "
                           f"train.micro_batch_size={cfg.train.micro_batch_size}: generate more "
                           "data (data.max_prompts) or lower the micro-batch size.")
-    return TrainData(splits["train"], splits["held_out"], has_topk)
+    return TrainData(splits["train"], splits["held_out"])
 
 
 def truncate(example: Example, max_len: int) -> Example:

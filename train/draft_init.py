@@ -57,7 +57,7 @@ def init_draft(spec: str, target, target_tokenizer):
     """train.draft -> a trainable fp32 draft on the target's device.
 
     'layer-truncated:<n>', 'fresh:<layers>[x<hidden>]', or an HF folder / hub id."""
-    from serving.drafts import check_same_vocab
+    from serving.drafts import pretrained_draft
 
     kind, _, arg = spec.partition(":")
     if kind == "layer-truncated":
@@ -66,19 +66,14 @@ def init_draft(spec: str, target, target_tokenizer):
         layers, _, hidden = arg.partition("x")
         draft = fresh(target, _positive(layers, spec), _positive(hidden, spec) if hidden else None)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         try:
-            draft = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+            draft = pretrained_draft(spec, target, target_tokenizer, torch.float32)
+        except ConfigError:
+            raise  # a vocabulary mismatch already says what is wrong
         except (OSError, ValueError) as e:
             raise ConfigError(f"train.draft={spec!r} is not 'layer-truncated:<n>', "
                               f"'fresh:<layers>[x<hidden>]', nor a loadable causal LM "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:160]}).") from None
-        try:
-            draft_tokenizer = AutoTokenizer.from_pretrained(spec)
-        except (OSError, ValueError):
-            draft_tokenizer = None  # a bare model folder: the vocabulary size check still applies
-        check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
     if getattr(draft.config, "final_logit_softcapping", None):
         raise ConfigError("the draft caps its logits (final_logit_softcapping), which the "
                           "training forward does not apply: choose another draft architecture.")
