@@ -1,8 +1,9 @@
-"""Drafts the engine can use: an independent LM, and prompt lookup (n-gram, training-free).
+"""Drafts the engine can use: an independent LM, and prompt lookup (n-gram, training-free);
+Medusa heads live in serving/medusa.py.
 
 A draft proposes k tokens per row with the distribution q each was sampled from; the engine's
-verification keeps the output the target's whatever the draft proposes. EAGLE-3 and Medusa heads
-plug in through the same three calls.
+verification keeps the output the target's whatever the draft proposes. Head drafts set
+`uses_target_hidden` and receive the target's hidden states of each forward.
 """
 
 from __future__ import annotations
@@ -24,27 +25,34 @@ class Sampling(Protocol):
 
 class Draft(Protocol):
     name: str
+    uses_target_hidden: bool
+    """True: start/accept receive target_hidden, the hidden states of the target's last forward
+    (HF output_hidden_states: a tuple of [B, t, H], post-norm last hidden state last)."""
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              first_token: torch.Tensor) -> None:
+              first_token: torch.Tensor, target_hidden=None) -> None:
         """A new batch: prompts [B, T] (left-padded) and the target's first token [B]."""
 
     def propose(self, k: int, sampling: Sampling, history: list[list[int]]):
         """-> (tokens [B, k] long, probs [B, k, V] float): what the draft proposes and the
         distribution q each token was sampled from. history: each row's tokens so far."""
 
-    def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor) -> None:
-        """The verification outcome: accepted draft tokens [B] and the token emitted after them."""
+    def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor,
+               target_hidden=None) -> None:
+        """The verification outcome: accepted draft tokens [B] and the token emitted after them;
+        target_hidden covers the verified chunk [pending, d_1..d_k]."""
 
 
 class ModelDraft:
     """An independent draft LM with the target's vocabulary and its own KV cache."""
 
+    uses_target_hidden = False
+
     def __init__(self, model, name: str = "draft"):
         self.lm, self.name = CachedLM(model), name
         self.failures = None  # [B] bool: rows whose draft produced non-finite logits
 
-    def start(self, input_ids, attention_mask, first_token):
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         self.lm.prefill(input_ids, attention_mask)
         batch = input_ids.shape[0]
         self.pending = torch.stack([first_token, first_token], dim=1)  # [B, 2]
@@ -69,7 +77,7 @@ class ModelDraft:
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
 
-    def accept(self, num_accepted, next_token):
+    def accept(self, num_accepted, next_token, target_hidden=None):
         k = self.tokens.shape[1]
         fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
         self.lm.reject_last(fed - num_accepted.clamp(max=fed))
@@ -128,12 +136,14 @@ class PromptLookupDraft:
     tokens (prompt and output), for n from max_ngram down to min_ngram. No training, no model;
     q is a point mass on each proposed token, which verification handles like any draft."""
 
+    uses_target_hidden = False
+
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2,
                  name: str = "prompt lookup"):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self.name = name
 
-    def start(self, input_ids, attention_mask, first_token):
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         self.device = input_ids.device
 
     def lookup(self, history: list[int], k: int) -> list[int]:
@@ -157,5 +167,5 @@ class PromptLookupDraft:
         probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
         return tokens, probs
 
-    def accept(self, num_accepted, next_token):
+    def accept(self, num_accepted, next_token, target_hidden=None):
         pass

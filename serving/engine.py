@@ -91,7 +91,9 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             s in decode(tokens[-tail:]) for s in settings.stop_strings)
 
     batch = input_ids.shape[0]
-    target_lm = CachedLM(target)
+    # head drafts (Medusa, EAGLE) read the target's hidden states of each verification
+    uses_hidden = draft is not None and getattr(draft, "uses_target_hidden", False)
+    target_lm = CachedLM(target, keep_hidden_states=uses_hidden)
 
     def probs(logits):  # [..., V] -> [..., V], the same filters for target and draft
         return sampling_probs(logits, settings.temperature, settings.top_p, settings.top_k)
@@ -110,7 +112,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              for _ in range(batch)]
     if draft is not None:
         start = time.perf_counter()
-        draft.start(input_ids, attention_mask, first)
+        draft.start(input_ids, attention_mask, first, target_lm.hidden_states)
         draft_seconds += time.perf_counter() - start
 
     pending, k, k_used = first, settings.k if draft is not None else 0, []
@@ -133,7 +135,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         verify_seconds += time.perf_counter() - start
         if draft is not None:
             start = time.perf_counter()
-            draft.accept(result.num_accepted, result.next_token)
+            draft.accept(result.num_accepted, result.next_token, target_lm.hidden_states)
             draft_seconds += time.perf_counter() - start
 
         k_used.append(k)

@@ -15,8 +15,12 @@ import torch
 class CachedLM:
     """A causal LM with its cache, its slot mask [B, L] and each row's next position [B]."""
 
-    def __init__(self, model):
+    def __init__(self, model, keep_hidden_states: bool = False):
         self.model = model
+        self.keep_hidden_states = keep_hidden_states
+        self.hidden_states: tuple[torch.Tensor, ...] | None = None
+        """With keep_hidden_states: the last forward's hidden states, one [B, t, H] per layer
+        (HF output_hidden_states: embeddings first, the post-norm last hidden state last)."""
         self.cache = None
         self.mask: torch.Tensor | None = None  # [B, L] 1 = a real token, 0 = pad or hole
         self.next_position: torch.Tensor | None = None  # [B] valid tokens so far
@@ -34,7 +38,9 @@ class CachedLM:
         self.mask = attention_mask.clone()
         positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, T]
         out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=self.keep_hidden_states)
+        self.hidden_states = out.hidden_states
         self.next_position = attention_mask.sum(1)
         return out.logits[:, -1]
 
@@ -45,7 +51,9 @@ class CachedLM:
         positions = self.next_position[:, None] + (valid.cumsum(1) - valid)  # [B, t]
         self.mask = torch.cat([self.mask, valid], dim=1)
         out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True)
+                         past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=self.keep_hidden_states)
+        self.hidden_states = out.hidden_states
         self.next_position = self.next_position + valid.sum(1)
         return out.logits
 

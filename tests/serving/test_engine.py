@@ -5,6 +5,7 @@ import torch
 
 from serving.drafts import ModelDraft, PromptLookupDraft
 from serving.engine import DecodeSettings, generate
+from serving.medusa import MedusaDraft, MedusaHeads
 
 VOCAB, EOS = 256, 2
 
@@ -49,11 +50,16 @@ def _reference(target, prompt, max_new_tokens):
 def _drafts(target):
     nan_model = _tiny(5)
     nan_model.lm_head.weight.data[0, 0] = float("nan")
+    torch.manual_seed(7)
+    random_heads = MedusaHeads(64, VOCAB, num_heads=4, num_layers=2).eval()
     return {"self": ModelDraft(target), "other": ModelDraft(_tiny(3)),
-            "prompt lookup": PromptLookupDraft(VOCAB), "nan": ModelDraft(nan_model)}
+            "prompt lookup": PromptLookupDraft(VOCAB), "nan": ModelDraft(nan_model),
+            "medusa": MedusaDraft(MedusaHeads.from_target(target, num_heads=4).eval()),
+            "random medusa": MedusaDraft(random_heads)}
 
 
-@pytest.mark.parametrize("draft_name", ["none", "self", "other", "prompt lookup", "nan"])
+@pytest.mark.parametrize("draft_name", ["none", "self", "other", "prompt lookup", "nan",
+                                        "medusa", "random medusa"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculation_equals_target_greedy_batched(target, draft_name, k):
     prompts, ids, mask = _prompts([5, 17, 9])
@@ -110,3 +116,73 @@ def test_bad_settings_are_refused():
         DecodeSettings(k=0)
     with pytest.raises(ValueError, match="temperature"):
         DecodeSettings(temperature=-0.1)
+
+
+class _RecordingMedusa(MedusaDraft):
+    """Records, at each proposal, the rows' histories and the hidden states the heads read."""
+
+    def __init__(self, heads):
+        super().__init__(heads)
+        self.seen = []
+
+    def propose(self, k, sampling, history):
+        self.seen.append(([list(h) for h in history], self.hidden.clone()))
+        return super().propose(k, sampling, history)
+
+
+def test_medusa_reads_the_hidden_state_of_the_position_that_chose_the_last_token(target):
+    """The heads must see h_t with x_{t+1} the newest token: the target's post-norm last hidden
+    state at the second-to-last position of the history (checked against a plain forward)."""
+    prompts, ids, mask = _prompts([6, 11])
+    draft = _RecordingMedusa(MedusaHeads.from_target(target, num_heads=3).eval())
+    out = generate(target, ids, mask, DecodeSettings(max_new_tokens=20, k=3), {EOS}, draft)
+    checked = 0
+    for histories, hidden in draft.seen:
+        for row, history in enumerate(histories):
+            if len(history) == len(prompts[row]) + len(out.tokens[row]):
+                continue  # the row has finished; its history no longer grows
+            full = target(torch.tensor([history]), output_hidden_states=True).hidden_states[-1]
+            torch.testing.assert_close(hidden[row], full[0, -2], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked > 5
+
+
+def test_medusa_accept_picks_the_slot_of_the_last_accepted_token():
+    """Verified chunk [pending, d_1..d_k]: with n accepted, slot n chose next_token."""
+    draft = MedusaDraft(MedusaHeads(4, 10, num_heads=2))
+    hidden = torch.arange(3 * 4 * 4, dtype=torch.float).view(3, 4, 4)  # [B, k+1, H], k = 3
+    draft.accept(torch.tensor([0, 3, 1]), torch.tensor([5, 6, 7]), (hidden * 0, hidden))
+    torch.testing.assert_close(draft.hidden, torch.stack([hidden[0, 0], hidden[1, 3],
+                                                          hidden[2, 1]]))
+
+
+def test_medusa_refuses_more_draft_tokens_than_heads(target):
+    _, ids, mask = _prompts([5])
+    draft = MedusaDraft(MedusaHeads.from_target(target, num_heads=2).eval())
+    with pytest.raises(ValueError, match="k=3 draft tokens need 3 Medusa heads"):
+        generate(target, ids, mask, DecodeSettings(max_new_tokens=8, k=3), {EOS}, draft)
+
+
+def test_medusa_sampling_keeps_the_target_distribution():
+    """Lossless at temperature 1: with random heads proposing, the second emitted token (the
+    first one a head drafts) follows the target's exact marginal sum_x1 p(x1) p(x2 | x1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, n = 12, 4000
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.1)).eval()
+    prompt = torch.tensor([[3, 5, 7]])
+    with torch.no_grad():
+        p1 = target(prompt).logits[0, -1].softmax(-1)  # [V]
+        both = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = (p1[:, None] * target(both).logits[:, -1].softmax(-1)).sum(0)  # [V]
+    heads = MedusaHeads(32, vocab, num_heads=2, num_layers=1).eval()
+    out = generate(target, prompt.expand(n, -1), torch.ones(n, 3, dtype=torch.long),
+                   DecodeSettings(max_new_tokens=2, k=2, temperature=1.0), {vocab + 1},
+                   MedusaDraft(heads), generator=torch.Generator().manual_seed(3))
+    assert sum(s.accepted for s in out.stats) > n / 20  # the heads' tokens are really used
+    second = torch.tensor([t[1] for t in out.tokens])
+    empirical = torch.bincount(second, minlength=vocab).float() / n
+    assert 0.5 * (empirical - p2).abs().sum() < 0.05
