@@ -235,7 +235,11 @@ class TrainConfig:
     draft: str = "layer-truncated:6"
     """Draft initialisation: 'layer-truncated:<n>' (the target's embeddings, first n layers,
     final norm and head), 'fresh:<layers>' or 'fresh:<layers>x<hidden>' (the target's
-    architecture, random weights), or an HF causal LM folder / hub id with the target's vocab."""
+    architecture, random weights), an HF causal LM folder / hub id with the target's vocab, or
+    'medusa:<heads>' / 'medusa:<heads>x<layers>' (Medusa heads on the frozen target's last hidden
+    state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's)."""
+    head_decay: float = 0.8
+    """Medusa: the loss of head j (1-based, predicting j+1 tokens ahead) weighs head_decay**(j-1)."""
     loss: str = "tvd"
     """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
     '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""
@@ -322,6 +326,32 @@ class TrainConfig:
             raise ConfigError(f"train.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA).")
         if self.eval_conversations is not None and self.eval_conversations < 1:
             raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
+        if self.draft.startswith("medusa"):
+            heads, _ = self.medusa_shape
+            if not 0.0 < self.head_decay <= 1.0:
+                raise ConfigError(f"train.head_decay={self.head_decay} must be in (0, 1].")
+            if self.on_policy_fraction > 0:
+                raise ConfigError("Medusa heads cannot sample on their own (they need the "
+                                  "target's hidden states): set train.on_policy_fraction=0.")
+            if self.lora_rank:
+                raise ConfigError("LoRA applies to a draft LM's attention and MLP; Medusa heads "
+                                  "are small enough to train whole: set train.lora_rank=0.")
+            if self.eval_k > heads:
+                raise ConfigError(f"train.eval_k={self.eval_k} draft tokens need as many Medusa "
+                                  f"heads, but train.draft={self.draft!r} has {heads}: lower "
+                                  "train.eval_k or add heads.")
+
+    @property
+    def medusa_shape(self) -> tuple[int, int] | None:
+        """'medusa:<heads>[x<layers>]' -> (heads, layers); None for other drafts."""
+        kind, _, arg = self.draft.partition(":")
+        if kind != "medusa":
+            return None
+        heads, _, layers = arg.partition("x")
+        if not heads.isdigit() or int(heads) < 1 or (layers and not layers.isdigit()):
+            raise ConfigError(f"train.draft={self.draft!r}: expected 'medusa:<heads>' or "
+                              "'medusa:<heads>x<layers>' with heads >= 1, e.g. 'medusa:4x1'.")
+        return int(heads), int(layers) if layers else 1
 
     @property
     def loss_terms(self) -> list[tuple[float, str]]:

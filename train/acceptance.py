@@ -41,6 +41,16 @@ def match_probability(target_logits: torch.Tensor, draft_logits: torch.Tensor,
     return torch.minimum(p, q).sum(-1)
 
 
+def chain_sums(grid: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sums over chain starts of prod_{i<=j} a_i, j = 1..k, for chains whose k positions are all
+    valid. grid [B, T, k] (grid[b, s, j-1]: acceptance of draft position j of the chain starting
+    at s), valid [B, T, k] bool -> (sums [k], number of chains). Head drafts (Medusa) fill the grid
+    directly; an autoregressive draft's per-position values go through chained_acceptance."""
+    ok = valid.all(-1)  # [B, T]
+    chains = grid.double().cumprod(-1)[ok]  # [W, k]
+    return chains.sum(0), int(ok.sum())
+
+
 def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
     """Sums over start positions of prod_{i<j} a_{t+i}, j = 1..k, for windows of k valid positions.
 
@@ -49,10 +59,7 @@ def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
     """
     if a.shape[1] < k:
         return torch.zeros(k, dtype=torch.float64), 0
-    windows = a.double().unfold(1, k, 1)  # [B, T-k+1, k]
-    ok = valid.unfold(1, k, 1).all(-1)  # [B, T-k+1]
-    chains = windows.cumprod(-1)[ok]  # [W, k]
-    return chains.sum(0), int(ok.sum())
+    return chain_sums(a.double().unfold(1, k, 1), valid.unfold(1, k, 1))  # [B, T-k+1, k] each
 
 
 def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:

@@ -53,13 +53,19 @@ def fresh(target, num_layers: int, hidden_size: int | None = None):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def init_draft(spec: str, target, target_tokenizer):
+def init_draft(spec: str, target, target_tokenizer, medusa_shape: tuple[int, int] | None = None):
     """train.draft -> a trainable fp32 draft on the target's device.
 
-    'layer-truncated:<n>', 'fresh:<layers>[x<hidden>]', or an HF folder / hub id."""
+    'layer-truncated:<n>', 'fresh:<layers>[x<hidden>]', an HF folder / hub id, or Medusa heads
+    (medusa_shape = (heads, layers), from TrainConfig.medusa_shape)."""
     from serving.drafts import pretrained_draft
+    from serving.medusa import MedusaHeads
 
     kind, _, arg = spec.partition(":")
+    if medusa_shape is not None:
+        heads = MedusaHeads.from_target(target, *medusa_shape).float()
+        heads.requires_grad_(True)
+        return heads.train()
     if kind == "layer-truncated":
         draft = layer_truncated(target, _positive(arg, spec))
     elif kind == "fresh":

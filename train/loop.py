@@ -21,13 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
-from torch import nn
 
 from assets.target import load_target, load_tokenizer, resolve_target
 from distill.generate import end_of_turn_ids
 from distill.shards import identity_differences
 from recipe import Config, ConfigError, TrainConfig
-from train.acceptance import chained_acceptance, match_probability, summarize
+from train.acceptance import chain_sums, match_probability, summarize
 from train.data import (
     Batch,
     checkpoint_name,
@@ -41,6 +40,7 @@ from train.data import (
 )
 from train.divergences import divergence
 from train.draft_init import init_draft
+from train.models import DraftForTraining, MedusaForTraining, acceptance_grid, split
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
 # trajectory (data, losses, schedule), only what gets logged or kept.
@@ -109,28 +109,31 @@ class Dist:
         return float(t.item())
 
 
-class DraftForTraining(nn.Module):
-    """The draft's logits only where a loss applies: [B, T] in, [N, V] out for the N positions of
-    pred_mask. Over a 49k vocabulary the head is the largest matmul, and most positions of a
-    conversation (the prompts) carry no loss. Wrapping keeps DDP/FSDP/DeepSpeed on the forward."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
-
-    def forward(self, input_ids, attention_mask, pred_mask):
-        hidden = self.lm.get_decoder()(input_ids=input_ids,
-                                       attention_mask=attention_mask).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden[pred_mask])  # [N, V]
+@torch.no_grad()
+def target_hidden(target, batch: Batch) -> torch.Tensor:
+    """The frozen target's post-norm last hidden state: [B, T, H]."""
+    return target.get_decoder()(input_ids=batch.input_ids,
+                                attention_mask=batch.attention_mask).last_hidden_state
 
 
 @torch.no_grad()
-def target_logits(target, batch: Batch) -> torch.Tensor:
+def target_logits(target, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
     """The frozen target's logits at the batch's loss positions: [N, V]."""
-    hidden = target.get_decoder()(input_ids=batch.input_ids,
-                                  attention_mask=batch.attention_mask).last_hidden_state
+    hidden = target_hidden(target, batch) if hidden is None else hidden
     return target.get_output_embeddings()(hidden[batch.pred_mask]).float()
+
+
+def slot_loss(cfg: TrainConfig, slots, draft_logits: torch.Tensor, p_logits: torch.Tensor | None,
+              labels: torch.Tensor) -> torch.Tensor:
+    """Sum over the slots of weight * the divergence of each draft row from the target's
+    distribution (and label) at the loss position it is scored against. -> [] (a sum)."""
+    total = draft_logits.new_zeros(())
+    for slot, q in zip(slots, split(draft_logits, slots)):
+        p = p_logits if p_logits is None or slot.rows is None else p_logits[slot.rows]
+        y = labels if slot.rows is None else labels[slot.rows]
+        total = total + slot.weight * divergence(cfg.loss_terms, p, q, y, beta=cfg.jsd_beta,
+                                                 temperature=cfg.temperature).sum()
+    return total
 
 
 def stored_target_logits(batch: Batch, vocab_size: int) -> torch.Tensor:
@@ -272,27 +275,36 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
                       device: torch.device) -> dict:
     """Loss and predicted acceptance (tau, alpha_1..alpha_k for k = eval_k) on held-out data,
     for sampling at temperature 1 (sum min(p, q)) and for greedy decoding (argmax match)."""
-    k = cfg.eval_k
+    k, trained = cfg.eval_k, _unwrap(model)
     sums = {"sampled": torch.zeros(k, dtype=torch.float64),
             "greedy": torch.zeros(k, dtype=torch.float64)}
     windows, loss_sum, tokens = 0, 0.0, 0
     for batch in batches:
         batch = batch.to(device)
-        pred = batch.pred_mask
-        q_logits = model(batch.input_ids, batch.attention_mask, pred).float()  # [N, V]
-        p_logits = target_logits(target, batch)
-        loss = divergence(cfg.loss_terms, p_logits, q_logits, batch.labels,
-                          beta=cfg.jsd_beta, temperature=cfg.temperature)
-        loss_sum, tokens = loss_sum + float(loss.sum()), tokens + loss.numel()
+        pred, slots = batch.pred_mask, trained.slots(batch.pred_mask)
+        hidden = target_hidden(target, batch)
+        q_logits = model(batch.input_ids, batch.attention_mask, pred, hidden).float()  # [M, V]
+        p_logits = target_logits(target, batch, hidden)  # [N, V]
+        loss_sum += float(slot_loss(cfg, slots, q_logits, p_logits, batch.labels))
+        tokens += batch.loss_tokens
         for mode in sums:
-            a = torch.zeros(pred.shape, dtype=torch.float64, device=device)  # [B, T]
-            a[pred] = match_probability(p_logits, q_logits, greedy=mode == "greedy").double()
-            chain, n = chained_acceptance(a.cpu(), pred.cpu(), k)
+            values = [match_probability(p if s.rows is None else p_logits[s.rows], q,
+                                        greedy=mode == "greedy")
+                      for s, q, p in zip(slots, split(q_logits, slots), [p_logits] * len(slots))]
+            grid, valid = acceptance_grid(values, slots, pred, k)
+            chain, n = chain_sums(grid.cpu(), valid.cpu())
             sums[mode] += chain
         windows += n
     sampled, greedy = summarize(sums["sampled"], windows), summarize(sums["greedy"], windows)
     return {"loss": loss_sum / max(tokens, 1), "tau": sampled.tau, "alpha": sampled.alpha,
             "greedy_tau": greedy.tau, "greedy_alpha": greedy.alpha, "windows": windows, "k": k}
+
+
+def _unwrap(model):
+    """The module under DDP/DeepSpeed wrappers (for slots(), which is not a forward)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def train_draft(cfg: Config, accelerator) -> TrainSummary:
@@ -316,11 +328,13 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
 
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
-    draft = init_draft(tcfg.draft, target, tokenizer)
+    draft = init_draft(tcfg.draft, target, tokenizer, tcfg.medusa_shape)
     freeze = tcfg.freeze_embeddings
-    if freeze is None:  # a fresh draft's embeddings are random and must learn
-        freeze = not tcfg.draft.startswith("fresh:")
-    if freeze:
+    if freeze is None:  # fresh embeddings are random and must learn; Medusa trains its heads
+        freeze = not tcfg.draft.startswith(("fresh:", "medusa:"))
+    if freeze and tcfg.medusa_shape is not None:
+        draft.lm_heads.requires_grad_(False)
+    elif freeze:
         draft.get_input_embeddings().requires_grad_(False)
         draft.get_output_embeddings().requires_grad_(False)
     if tcfg.lora_rank:
@@ -328,7 +342,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
 
         draft = get_peft_model(draft, LoraConfig(r=tcfg.lora_rank, lora_alpha=tcfg.lora_alpha,
                                                  target_modules=tcfg.lora_targets))
-    model = DraftForTraining(draft)
+    model = (MedusaForTraining(draft, tcfg.head_decay) if tcfg.medusa_shape is not None
+             else DraftForTraining(draft))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=tcfg.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=tcfg.weight_decay)
@@ -355,7 +370,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
     held_out = held_out_batches(data, cfg, pad_id)
     G, world = tcfg.gradient_accumulation_steps, dist.world
-    needs_target = any(name != "ce" for _, name in tcfg.loss_terms)
+    model_needs_hidden = _unwrap(model).needs_target_hidden
+    needs_target_logits = any(name != "ce" for _, name in tcfg.loss_terms)
 
     def held_out_eval() -> dict:
         result = evaluate_held_out(model, target, held_out, tcfg, device)
@@ -393,17 +409,21 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         loss_sum, grad_norm = 0.0, None
         for micro_step, batch in enumerate(batches):
             with accelerator.accumulate(model):
-                pred = batch.pred_mask
-                draft_logits = model(batch.input_ids, batch.attention_mask, pred)
-                if not needs_target:  # hard-label CE alone
+                pred, slots = batch.pred_mask, _unwrap(model).slots(batch.pred_mask)
+                hidden = None
+                if model_needs_hidden or (needs_target_logits and (
+                        tcfg.target_logits == "online" or batch.on_policy)):
+                    with accelerator.autocast():  # the target's matmuls in the same precision
+                        hidden = target_hidden(target, batch)
+                draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
+                if not needs_target_logits:  # hard-label CE alone
                     p_logits = None
                 elif tcfg.target_logits == "topk" and not batch.on_policy:
                     p_logits = stored_target_logits(batch, vocab_size)
                 else:
-                    with accelerator.autocast():  # the target's matmuls in the same precision
-                        p_logits = target_logits(target, batch)
-                loss = divergence(tcfg.loss_terms, p_logits, draft_logits, batch.labels,
-                                  beta=tcfg.jsd_beta, temperature=tcfg.temperature).sum()
+                    with accelerator.autocast():
+                        p_logits = target_logits(target, batch, hidden)
+                loss = slot_loss(tcfg, slots, draft_logits, p_logits, batch.labels)
                 if dist.sum(float(not torch.isfinite(loss))) > 0:
                     raise TrainingDiverged(
                         f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
