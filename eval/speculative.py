@@ -25,8 +25,9 @@ from assets.target import load_target, load_tokenizer, resolve_target
 from distill.chat import render
 from distill.generate import end_of_turn_ids, left_pad
 from recipe import Config, ConfigError, EvalConfig
-from serving.drafts import ModelDraft, PromptLookupDraft, load_draft
+from serving.drafts import PromptLookupDraft, engine_draft, load_draft
 from serving.engine import DecodeSettings, RequestStats, generate
+from serving.medusa import MedusaHeads
 
 
 @dataclass
@@ -98,6 +99,23 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
         raise ConfigError(f"all {len(conversations)} eval prompts exceed the target's context "
                           f"({context}) with eval.max_new_tokens={ev.max_new_tokens}: lower it.")
     return prompts, skipped
+
+
+def check_k_fits(model, name: str, ev: EvalConfig) -> None:
+    """Medusa heads draft at most one token per head: refuse a k they cannot fill, up front."""
+    k = ev.k_max if ev.adaptive_k else ev.k
+    if isinstance(model, MedusaHeads) and k > model.num_heads:
+        raise ConfigError(f"eval.{'k_max' if ev.adaptive_k else 'k'}={k} draft tokens, but "
+                          f"{name} has {model.num_heads} heads: set it <= {model.num_heads} "
+                          "(or train more heads).")
+
+
+def draft_label(spec: str) -> str:
+    """A short name for a draft: the run name of <run>/train/draft, else the last path part."""
+    parts = Path(spec).parts
+    if len(parts) >= 3 and parts[-2:] == ("train", "draft"):
+        return parts[-3]
+    return parts[-1] if parts else spec
 
 
 def _batches(prompts, size):
@@ -189,6 +207,8 @@ def _load(cfg: Config, device: torch.device):
                               "train stage first (distill.py --stage train).")
     draft_name, draft_model = (load_draft(spec, target, tokenizer, target.dtype, device)
                                if spec else (None, None))
+    if draft_model is not None:
+        check_k_fits(draft_model, draft_name, cfg.eval)
     return resolved, tokenizer, target, draft_name, draft_model
 
 
@@ -215,7 +235,22 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
             results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer)
         elif method == "speculative":
             results[method], out = run_engine(method, target, prompts, settings, eos, pad,
-                                              tokenizer, ModelDraft(draft_model), cfg.run.seed)
+                                              tokenizer, engine_draft(draft_model), cfg.run.seed)
+            for spec in ev.compare_drafts:
+                name, model = load_draft(spec, target, tokenizer, target.dtype, device)
+                check_k_fits(model, name, ev)
+                label = f"speculative:{draft_label(spec)}"
+                print(f"[eval] {label} ({name}) on {len(prompts)} prompts ...", flush=True)
+                results[label], other = run_engine(label, target, prompts, settings, eos, pad,
+                                                   tokenizer, engine_draft(model), cfg.run.seed)
+                if reference is not None and ev.temperature == 0:
+                    results[label].identical_to_target = sum(
+                        a == b for a, b in zip(other, reference))
+                del model
+        elif method == "hf_assisted" and isinstance(draft_model, MedusaHeads):
+            print("[eval] hf_assisted skipped: transformers' assisted generation runs an "
+                  "independent draft LM, not Medusa heads.")
+            continue
         elif method == "hf_assisted":
             results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer,
                                           assistant=draft_model)
@@ -307,7 +342,7 @@ def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
     settings = _settings(ev)
     plain, _ = run_engine("target", target, ids, settings, eos, pad, tokenizer, None, cfg.run.seed)
     spec, _ = run_engine("speculative", target, ids, settings, eos, pad, tokenizer,
-                         ModelDraft(draft_model), cfg.run.seed)
+                         engine_draft(draft_model), cfg.run.seed)
     a, b = plain.texts[0], spec.texts[0]
     first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
                       None if len(a) == len(b) else min(len(a), len(b)))

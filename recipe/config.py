@@ -161,6 +161,10 @@ class EvalConfig:
     'self' (the target drafts for itself: tau must reach k+1), 'layer-truncated:<n>' (the
     target's first n layers, untrained), or an HF folder / hub id.
     None: only the methods without a draft."""
+    compare_drafts: list[str] = field(default_factory=list)
+    """More drafts measured by our engine in the same run, each as method 'speculative:<label>'
+    (label: the run name for a <run>/train/draft folder, else the folder name): e.g. an
+    independent draft next to Medusa heads. Same kinds of spec as draft, except 'trained'."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
@@ -181,15 +185,20 @@ class EvalConfig:
     methods: list[str] | None = None
     """Which of target (our loop), hf_generate, speculative (our engine with the draft),
     hf_assisted (transformers' assisted generation with the same draft and k), prompt_lookup.
-    None: all that apply (without a draft: target, hf_generate, prompt_lookup)."""
+    None: all that apply (without a draft: target, hf_generate, prompt_lookup; hf_assisted only
+    at batch_size 1)."""
 
     def __post_init__(self) -> None:
         if self.methods is None:
-            self.methods = [m for m in EVAL_METHODS if self.draft is not None
-                            or m not in ("speculative", "hf_assisted")]
+            self.methods = [m for m in EVAL_METHODS if (self.draft is not None
+                            or m not in ("speculative", "hf_assisted"))
+                            and not (m == "hf_assisted" and self.batch_size != 1)]
         unknown = [m for m in self.methods if m not in EVAL_METHODS]
         if unknown or not self.methods:
             raise ConfigError(f"eval.methods={self.methods}: choose from {list(EVAL_METHODS)}.")
+        if "trained" in self.compare_drafts:
+            raise ConfigError("eval.compare_drafts names other drafts: give a folder, not "
+                              "'trained' (that is eval.draft=trained).")
         if self.draft is None and {"speculative", "hf_assisted"} & set(self.methods):
             raise ConfigError("eval.methods has speculative/hf_assisted but eval.draft is not set: "
                               "name a draft (e.g. eval.draft=self) or drop those methods.")

@@ -105,7 +105,10 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None)
 
 
 def load_draft(spec: str, target, target_tokenizer, dtype, device):
-    """'self', 'layer-truncated:<n>', or an HF folder / hub id -> (name, draft model)."""
+    """'self', 'layer-truncated:<n>', a Medusa folder, or an HF folder / hub id ->
+    (name, draft model or MedusaHeads), checked against the target's vocabulary."""
+    from serving.medusa import MedusaHeads, check_fits_target, is_medusa_folder
+
     if spec == "self":
         return "target as its own draft", target
     if spec.startswith("layer-truncated:"):
@@ -113,9 +116,20 @@ def load_draft(spec: str, target, target_tokenizer, dtype, device):
 
         n = int(spec.split(":", 1)[1])
         return f"target's first {n} layers (untrained)", layer_truncated(target, n)
+    if is_medusa_folder(spec):
+        heads = MedusaHeads.from_pretrained(spec, dtype, device)
+        check_fits_target(heads, target)
+        return f"{spec} (Medusa, {heads.num_heads} heads)", heads
     draft = pretrained_draft(spec, target, target_tokenizer, dtype).eval().to(device)
     draft.requires_grad_(False)
     return spec, draft
+
+
+def engine_draft(model, name: str = "draft"):
+    """What load_draft returned -> a fresh Draft for one engine run."""
+    from serving.medusa import MedusaDraft, MedusaHeads
+
+    return MedusaDraft(model, name) if isinstance(model, MedusaHeads) else ModelDraft(model, name)
 
 
 def pretrained_draft(spec: str, target, target_tokenizer, dtype):

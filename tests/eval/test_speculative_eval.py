@@ -79,3 +79,52 @@ def test_acceptance_pools_requests():
                      accepted_per_position=[0, 0])
     tau, alpha, rate = acceptance([a, b])
     assert tau == pytest.approx(1 + 5 / 6) and alpha == [0.5, 2 / 6] and rate == 5 / 12
+
+
+@pytest.fixture
+def medusa_folder(peaked_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from serving.medusa import MedusaHeads
+
+    torch.manual_seed(1)
+    target = AutoModelForCausalLM.from_pretrained(peaked_target)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    for block in heads.blocks:  # not the identity, so the heads really differ from the target
+        torch.nn.init.normal_(block.layers[0].weight, std=0.05)
+    folder = tmp_path / "medusa"
+    heads.save_pretrained(folder)
+    return folder
+
+
+def test_medusa_heads_and_an_independent_draft_in_one_run(peaked_target, medusa_folder,
+                                                          tmp_path, capsys):
+    cfg = _cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=3",
+               "eval.compare_drafts=[layer-truncated:1]")
+    report = evaluate(cfg, torch.device("cpu"))
+    methods = report["methods"]
+    assert "hf_assisted" not in methods and "hf_assisted skipped" in capsys.readouterr().out
+    for name in ("speculative", "speculative:layer-truncated:1"):
+        assert methods[name]["identical_to_target"] == 3, name
+        assert 1.0 <= methods[name]["tau"] <= 4.0 and len(methods[name]["alpha"]) == 3
+    assert "Medusa, 3 heads" in report["draft"]
+
+
+def test_more_draft_tokens_than_medusa_heads_is_refused_before_generation(
+        peaked_target, medusa_folder, tmp_path):
+    from recipe import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.k=4 draft tokens, but .* has 3 heads"):
+        evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=4"),
+                 torch.device("cpu"))
+
+
+def test_medusa_heads_of_another_target_are_refused(peaked_target, tmp_path):
+    from recipe import ConfigError
+    from serving.medusa import MedusaHeads
+
+    folder = tmp_path / "wrong"
+    MedusaHeads(32, 1000, num_heads=2).save_pretrained(folder)
+    with pytest.raises(ConfigError, match="heads only work on the target they were trained on"):
+        evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={folder}", "eval.k=2"),
+                 torch.device("cpu"))
