@@ -1,0 +1,61 @@
+"""Export: the folder vLLM loads, the method written out, bad drafts refused before writing."""
+
+import json
+
+import pytest
+import torch
+
+from recipe import ConfigError, load_config
+from serving.export import export_draft
+from serving.medusa import MedusaHeads
+
+
+def _cfg(tiny_target, tmp_path):
+    return load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}"])
+
+
+def _heads(tiny_target, folder, num_heads=3):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    MedusaHeads.from_target(target, num_heads=num_heads).save_pretrained(folder)
+    return folder
+
+
+def test_medusa_export_writes_vllm_layout_and_the_method(tiny_target, tmp_path):
+    draft = _heads(tiny_target, tmp_path / "run" / "train" / "draft")
+    result = export_draft(_cfg(tiny_target, tmp_path), k=2)
+    assert result.folder == tmp_path / "run" / "export" / "medusa"
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3
+    speculative = json.loads((result.folder / "vllm_speculative_config.json").read_text())
+    assert speculative == {"method": "medusa", "model": str(result.folder.resolve()),
+                           "num_speculative_tokens": 2}
+    assert '"method": "medusa"' in result.vllm_command and str(tiny_target) in result.vllm_command
+    assert (result.folder / "config.yaml").is_file()
+    reloaded = MedusaHeads.from_pretrained(result.folder)
+    original = MedusaHeads.from_pretrained(draft)
+    for a, b in zip(reloaded.state_dict().values(), original.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_more_tokens_than_heads_is_refused_and_nothing_is_written(tiny_target, tmp_path):
+    _heads(tiny_target, tmp_path / "run" / "train" / "draft", num_heads=2)
+    with pytest.raises(ConfigError, match="uninitialised weights. Export with --k <= 2"):
+        export_draft(_cfg(tiny_target, tmp_path), k=3)
+    assert not (tmp_path / "run" / "export").exists()
+
+
+def test_heads_or_drafts_for_another_target_are_refused(tiny_target, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    MedusaHeads(32, 1000, num_heads=2).save_pretrained(tmp_path / "heads")
+    with pytest.raises(ConfigError, match="hidden size 32 and predict 1000 tokens"):
+        export_draft(_cfg(tiny_target, tmp_path), k=2, draft_folder=tmp_path / "heads")
+    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
+    with pytest.raises(ConfigError, match="1000 tokens, the target's"):
+        export_draft(_cfg(tiny_target, tmp_path), k=2, draft_folder=tmp_path / "lm")
+    with pytest.raises(ConfigError, match="holds no trained draft"):
+        export_draft(_cfg(tiny_target, tmp_path), k=2)
