@@ -6,7 +6,7 @@ a_t = [argmax q_t == argmax p_t] under greedy decoding. A chain of k draft token
 accepted up to position j with probability prod_{i<j} a_{t+i} (the draft continues along the
 target's own text, which is what an accepted prefix is). Hence, over all start positions t:
 
-    alpha_j = E[prod_{i<j} a_{t+i}] / E[prod_{i<j-1} a_{t+i}]      (acceptance at draft position j)
+    alpha_j = E[prod_{i<j} a_{t+i}]           (draft position j accepted, so all before it were)
     tau     = 1 + sum_{j=1..k} E[prod_{i<j} a_{t+i}]                (tokens per target forward)
 """
 
@@ -22,7 +22,8 @@ class PredictedAcceptance:
     tau: float
     """Expected tokens per target forward for k draft tokens, the bonus token included."""
     alpha: list[float]
-    """alpha_1..alpha_k: acceptance at draft position j given positions < j were accepted."""
+    """alpha_1..alpha_k: the share of steps whose draft token j is accepted (and so all before
+    it): vLLM's per-position acceptance (accepted_per_pos[j] / drafts) and our engine's."""
     windows: int
     """Start positions averaged over."""
 
@@ -67,7 +68,5 @@ def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:
     if windows == 0:
         raise ValueError("no window of k consecutive target-written tokens to evaluate on")
     expected = sums / windows  # [k] E[prod_{i<j} a]
-    previous = torch.cat([torch.ones(1, dtype=expected.dtype), expected[:-1]])
-    alpha = torch.where(previous > 0, expected / previous.clamp_min(1e-300), 0.0)
     return PredictedAcceptance(tau=1.0 + float(expected.sum()),
-                               alpha=[round(float(x), 6) for x in alpha], windows=windows)
+                               alpha=[round(float(x), 6) for x in expected], windows=windows)

@@ -10,6 +10,7 @@ from distill.generate import end_of_turn_ids, left_pad
 from recipe import ModelConfig
 from serving.drafts import ModelDraft, PromptLookupDraft
 from serving.engine import DecodeSettings, generate
+from serving.medusa import MedusaDraft, MedusaHeads
 from train.draft_init import layer_truncated
 
 pytestmark = pytest.mark.integration
@@ -32,11 +33,20 @@ def setup(smollm2_tokenizer):
     return target, prompts, eos, reference
 
 
-@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup"])
+def _medusa(target):
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, num_heads=4)
+    for block in heads.blocks:  # away from the identity, so the heads propose varied tokens
+        torch.nn.init.normal_(block.layers[0].weight, std=0.02)
+    return MedusaDraft(heads.eval())
+
+
+@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup", "medusa"])
 def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_kind):
     target, prompts, eos, reference = setup
-    draft = (ModelDraft(layer_truncated(target, 4)) if draft_kind == "layer-truncated"
-             else PromptLookupDraft(target.config.vocab_size))
+    draft = {"layer-truncated": lambda: ModelDraft(layer_truncated(target, 4)),
+             "prompt lookup": lambda: PromptLookupDraft(target.config.vocab_size),
+             "medusa": lambda: _medusa(target)}[draft_kind]()
     outputs = []
     for b in range(0, len(prompts), 5):  # batches of 5, left-padded
         ids, mask = left_pad(prompts[b : b + 5], 2, torch.device("cpu"))
