@@ -80,6 +80,12 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(draft_folder, tmp)
+    if method == "medusa":
+        from serving.medusa import MedusaHeads
+
+        # heads trained with the target's head frozen share it: written once, as vLLM's
+        # original_lm_head, so the folder is 3 lm_heads smaller and loads the same heads
+        MedusaHeads.from_pretrained(draft_folder).save_pretrained(tmp)
     cfg.save(tmp / "config.yaml")
     speculative = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
     (tmp / "vllm_speculative_config.json").write_text(json.dumps(speculative, indent=2) + "\n")

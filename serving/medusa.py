@@ -71,14 +71,30 @@ class MedusaHeads(nn.Module):
                 lm_head.weight.copy_(head.float())
         return heads.to(head.device)
 
+    @property
+    def shared_lm_head(self) -> bool:
+        """One lm_head for every head (vLLM's `original_lm_head`)."""
+        return len(self.lm_heads) == 1 < self.num_heads
+
+    def share_identical_lm_heads(self) -> bool:
+        """Keep one lm_head when all are bit-identical (heads trained with the target's head
+        frozen): the k heads' logits are then one [k, H] x [H, V] product instead of k
+        matrix-vector products, which read the 49k x H matrix k times. Exact."""
+        first = self.lm_heads[0].weight
+        if len(self.lm_heads) > 1 and all(torch.equal(first, h.weight) for h in self.lm_heads):
+            self.lm_heads = nn.ModuleList([self.lm_heads[0]])
+        return self.shared_lm_head
+
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden [N, H] -> logits [n, N, V] of the first n = num_heads (default all) heads."""
         n = self.num_heads if num_heads is None else num_heads
+        if self.shared_lm_head:
+            return self.lm_heads[0](torch.stack([self.blocks[j](hidden) for j in range(n)]))
         return torch.stack([self.lm_heads[j](self.blocks[j](hidden)) for j in range(n)])
 
     def head_logits(self, j: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head j (0-based, predicting j+2 tokens past h's position): [N, H] -> [N, V]."""
-        return self.lm_heads[j](self.blocks[j](hidden))
+        return self.lm_heads[0 if self.shared_lm_head else j](self.blocks[j](hidden))
 
     def config_dict(self) -> dict:
         # vLLM's MedusaConfig renames every key holding 'num' and 'heads'/'layers' to num_heads /
@@ -86,7 +102,8 @@ class MedusaHeads(nn.Module):
         return {"model_type": "medusa", "architectures": ["MedusaModel"],
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "num_heads": self.num_heads, "num_hidden_layers": self.num_layers,
-                "medusa_fc_bias": False, "truncated_vocab_size": self.vocab_size}
+                "medusa_fc_bias": False, "truncated_vocab_size": self.vocab_size,
+                "original_lm_head": self.shared_lm_head}
 
     def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -110,11 +127,14 @@ class MedusaHeads(nn.Module):
                               f"{config.get('model_type')!r}).")
         heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"],
                     config["num_hidden_layers"])
+        if config.get("original_lm_head"):  # one lm_head, stored as lm_heads.0
+            heads.lm_heads = nn.ModuleList([heads.lm_heads[0]])
         state = load_file(str(folder / WEIGHTS_NAME))
         missing, unexpected = heads.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(f"{folder / WEIGHTS_NAME} does not match its config.json: missing "
                               f"{missing[:4]}, unexpected {unexpected[:4]}.")
+        heads.share_identical_lm_heads()
         return heads.to(device=device, dtype=dtype).eval()
 
 

@@ -59,3 +59,28 @@ def test_heads_or_drafts_for_another_target_are_refused(tiny_target, tmp_path):
         export_draft(_cfg(tiny_target, tmp_path), k=2, draft_folder=tmp_path / "lm")
     with pytest.raises(ConfigError, match="holds no trained draft"):
         export_draft(_cfg(tiny_target, tmp_path), k=2)
+
+
+def test_heads_sharing_the_targets_lm_head_are_exported_once_and_compute_the_same(
+        tiny_target, tmp_path):
+    from safetensors import safe_open
+
+    draft = _heads(tiny_target, tmp_path / "run" / "train" / "draft")  # lm_heads = target's
+    separate = MedusaHeads.from_pretrained(draft)
+    assert separate.shared_lm_head  # found identical on load
+    result = export_draft(_cfg(tiny_target, tmp_path), k=3)
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["original_lm_head"] is True and config["num_heads"] == 3
+    with safe_open(str(result.folder / "model.safetensors"), "pt") as f:
+        assert sorted(k for k in f.keys() if k.startswith("lm_heads")) == ["lm_heads.0.weight"]
+    shared = MedusaHeads.from_pretrained(result.folder)
+    torch.manual_seed(0)
+    for block in shared.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.1)
+    unshared = MedusaHeads(shared.hidden_size, shared.vocab_size, 3)
+    unshared.blocks.load_state_dict(shared.blocks.state_dict())
+    for head in unshared.lm_heads:
+        head.weight.data.copy_(shared.lm_heads[0].weight)
+    hidden = torch.randn(5, shared.hidden_size)
+    torch.testing.assert_close(shared(hidden), unshared(hidden))
+    torch.testing.assert_close(shared.head_logits(2, hidden), unshared.head_logits(2, hidden))
