@@ -5,7 +5,7 @@
 
 Stages, in order: distill (the target writes the data), train (the draft learns the target's
 distributions on that data), eval (tau, alpha_k and speedup of eval.draft against the
-baselines). Export joins this recipe when it is built.
+baselines). `python -m serving.export --config ...` then writes the folder vLLM serves.
 """
 
 from __future__ import annotations

@@ -5,28 +5,34 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import chat_records, write_jsonl
 
 ROOT = Path(__file__).parents[1]
 
 
-def test_recipe_runs_every_stage(tiny_target, tmp_path):
+@pytest.mark.parametrize(("recipe", "draft", "methods"), [
+    ("smollm2-135m-independent", "layer-truncated:1",
+     {"target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup"}),
+    ("smollm2-135m-medusa", "medusa:2", {"target", "hf_generate", "speculative", "prompt_lookup"}),
+])
+def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(6))
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "distill.py"), "--config",
-         str(ROOT / "configs" / "smollm2-135m-independent.yaml"), f"model.target={tiny_target}",
+         str(ROOT / "configs" / f"{recipe}.yaml"), f"model.target={tiny_target}",
          f"data.sources=[{prompts}]", f"run.output_dir={out}", "data.max_prompts=null",
          "data.max_prompt_tokens=null", "generation.max_new_tokens=8", f"eval.prompts={prompts}",
          "eval.num_prompts=2",
-         "eval.max_new_tokens=8", "data.held_out_fraction=0.34", "train.draft=layer-truncated:1",
+         "eval.max_new_tokens=8", "data.held_out_fraction=0.34", f"train.draft={draft}",
          "train.max_steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
-         "train.eval_k=2"],
+         "train.eval_k=2", "eval.k=2"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
     assert (out / "train" / "draft" / "draftsmith_train.json").is_file()
     report = json.loads((out / "eval" / "results.json").read_text())
-    assert set(report["methods"]) == {"target", "hf_generate", "speculative", "hf_assisted",
-                                      "prompt_lookup"}
+    assert set(report["methods"]) == methods
     assert "| speculative |" in result.stdout
