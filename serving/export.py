@@ -7,8 +7,10 @@ Reads <run>/train/draft (or --draft FOLDER) and writes <run>/export/<kind>/:
     `lm_heads.{h}`), served with `{"method": "medusa", "num_speculative_tokens": k}`;
   - an independent draft LM: the HF folder, for vLLM `draft_model` and transformers'
     `assistant_model`;
-plus the resolved config (config.yaml), the training figures, and `vllm_speculative_config.json`
-with the method always written out: without it vLLM guesses from the folder name.
+plus the resolved config (config.yaml), the training figures, `vllm_speculative_config.json`
+with the method always written out (without it vLLM guesses from the folder name), the measured
+eval results when <run>/eval measured this draft, and a model card (README.md) generated from
+all of them.
 """
 
 from __future__ import annotations
@@ -92,12 +94,91 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     command = ("python -m vllm.entrypoints.openai.api_server --model "
                f"{shlex.quote(target.path)} --speculative-config "
                f"{shlex.quote(json.dumps(speculative))}")
-    (tmp / "SERVING.md").write_text(
-        f"# Serving this draft\n\nTarget: {target.name} ({target.path}).\n\n"
-        f"vLLM (`method: {method}`, always pass it):\n\n```\n{command}\n```\n")
+    eval_report = _eval_of(cfg, draft_folder)
+    if eval_report is not None:
+        (tmp / "eval_results.json").write_text(json.dumps(eval_report, indent=2) + "\n")
+    training = draft_folder / "draftsmith_train.json"
+    (tmp / "README.md").write_text(model_card(
+        cfg, method, k, command, target.name,
+        json.loads(training.read_text()) if training.is_file() else None, eval_report,
+        _manifest_counts(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return Export(out, method, k, target.path, command)
+
+
+def _eval_of(cfg: Config, draft_folder: Path) -> dict | None:
+    """<run>/eval/results.json when it measured this very draft folder, else None."""
+    path = cfg.run.output_path / "eval" / "results.json"
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    measured = str(report.get("draft") or "").split(" (")[0]
+    if not measured or Path(measured).resolve() != draft_folder.resolve():
+        return None
+    return report
+
+
+def _manifest_counts(cfg: Config) -> dict | None:
+    path = cfg.run.output_path / "manifest.json"
+    return json.loads(path.read_text()).get("counts") if path.is_file() else None
+
+
+def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
+               training: dict | None, eval_report: dict | None, counts: dict | None) -> str:
+    """The Hub model card: what the draft is for, how it was made, what it measured, and the
+    exact command that serves it, all from the resolved config and the recorded figures."""
+    import yaml
+
+    base = cfg.model.target.removeprefix("embedded:")
+    base = "HuggingFaceTB/" + base if cfg.model.target.startswith("embedded:") else base
+    kind = {"medusa": "Medusa heads", "draft_model": "an independent draft model"}[method]
+    lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {method}",
+             "- draftsmith", "---", "",
+             f"# Draft for {target_name}: {kind}", "",
+             f"A draft for speculative decoding with the target **{target_name}**, trained by "
+             f"draftsmith (`train.draft={cfg.train.draft}`, loss `{cfg.train.loss}`). Speculative "
+             "decoding keeps the target's output distribution exactly; the draft only changes "
+             "the speed.", "", "## Serve it with vLLM", "",
+             f"Always pass the method (`{method}`); k = {k} draft tokens per step:", "",
+             "```", command, "```", "", "## How it was made", ""]
+    if counts:
+        train = counts.get("train", {})
+        lines.append(f"- Data: the target's own answers (stage 1, its chat template) to "
+                     f"{train.get('conversations')} conversations from {cfg.data.sources}, "
+                     f"{train.get('tokens')} tokens ({train.get('assistant_tokens')} written by "
+                     "the target).")
+    if training:
+        lines.append(f"- Training: {training['optimizer_steps']} optimizer steps, "
+                     f"{training['tokens']} tokens, {training['train_seconds']:.0f} s.")
+        for name, when in (("before", "before training"), ("after", "after training")):
+            if training.get(name):
+                r = training[name]
+                lines.append(f"- Predicted acceptance on held-out data {when} (k = {r['k']}): "
+                             f"tau {r['tau']:.3f} sampling at T=1, {r['greedy_tau']:.3f} greedy.")
+    lines += ["", "## Measured", ""]
+    if eval_report:
+        s = eval_report["settings"]
+        lines += [f"{eval_report['num_prompts']} {eval_report['prompts']} prompts, "
+                  f"{s['max_new_tokens']} new tokens, T={s['temperature']}, k={s['k']}, "
+                  f"{eval_report['dtype']}, batch {eval_report['batch_size']}, on "
+                  f"{eval_report['device']} x{eval_report['threads']} threads "
+                  "(draftsmith's engine):", "",
+                  "| method | tau | alpha_k | tokens/s | speedup | identical to target |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in eval_report["methods"].items():
+            tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+            alpha = " ".join(f"{a:.2f}" for a in r["alpha"]) or "-"
+            speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
+            same = "-" if r["identical_to_target"] is None else (
+                f"{r['identical_to_target']}/{eval_report['num_prompts']}")
+            lines.append(f"| {name} | {tau} | {alpha} | {r['tokens_per_s']:.1f} | {speed} "
+                         f"| {same} |")
+    else:
+        lines.append("Not measured yet: run the eval stage on this draft, then export again.")
+    lines += ["", "## Resolved config", "", "```yaml",
+              yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,9 @@ def test_medusa_export_writes_vllm_layout_and_the_method(tiny_target, tmp_path):
                            "num_speculative_tokens": 2}
     assert '"method": "medusa"' in result.vllm_command and str(tiny_target) in result.vllm_command
     assert (result.folder / "config.yaml").is_file()
+    card = (result.folder / "README.md").read_text()
+    assert result.vllm_command in card and "Not measured yet" in card
+    assert not (result.folder / "eval_results.json").exists()
     reloaded = MedusaHeads.from_pretrained(result.folder)
     original = MedusaHeads.from_pretrained(draft)
     for a, b in zip(reloaded.state_dict().values(), original.state_dict().values()):
@@ -84,3 +87,22 @@ def test_heads_sharing_the_targets_lm_head_are_exported_once_and_compute_the_sam
     hidden = torch.randn(5, shared.hidden_size)
     torch.testing.assert_close(shared(hidden), unshared(hidden))
     torch.testing.assert_close(shared.head_logits(2, hidden), unshared.head_logits(2, hidden))
+
+
+def test_the_model_card_carries_the_measured_eval_of_this_draft(tiny_target, tmp_path):
+    from eval.speculative import evaluate
+    from tests.conftest import chat_records, write_jsonl
+
+    _heads(tiny_target, tmp_path / "run" / "train" / "draft", num_heads=2)
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(2))
+    cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}",
+                             "eval.draft=trained", f"eval.prompts={prompts}", "eval.k=2",
+                             "eval.max_new_tokens=6", "eval.methods=[target, speculative]"])
+    report = evaluate(cfg, torch.device("cpu"))
+    result = export_draft(cfg, k=2)
+    card = (result.folder / "README.md").read_text()
+    tau = report["methods"]["speculative"]["tau"]
+    assert f"| speculative | {tau:.2f} |" in card and "| target | - |" in card
+    assert ((result.folder / "eval_results.json").read_text()
+            == (tmp_path / "run" / "eval" / "results.json").read_text())
+    assert card.startswith("---\nbase_model: ") and "train.draft=medusa" not in card
