@@ -136,10 +136,10 @@ def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
     lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {method}",
              "- draftsmith", "---", "",
              f"# Draft for {target_name}: {kind}", "",
-             f"A draft for speculative decoding with the target **{target_name}**, trained by "
-             f"draftsmith (`train.draft={cfg.train.draft}`, loss `{cfg.train.loss}`). Speculative "
-             "decoding keeps the target's output distribution exactly; the draft only changes "
-             "the speed.", "", "## Serve it with vLLM", "",
+             (f"A draft for speculative decoding with the target **{target_name}**, trained by "
+              f"draftsmith (`train.draft={cfg.train.draft}`, loss `{cfg.train.loss}`). "
+              "Speculative decoding keeps the target's output distribution exactly; the draft "
+              "only changes the speed."), "", "## Serve it with vLLM", "",
              f"Always pass the method (`{method}`); k = {k} draft tokens per step:", "",
              "```", command, "```", "", "## How it was made", ""]
     if counts:
@@ -159,11 +159,11 @@ def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
     lines += ["", "## Measured", ""]
     if eval_report:
         s = eval_report["settings"]
-        lines += [f"{eval_report['num_prompts']} {eval_report['prompts']} prompts, "
-                  f"{s['max_new_tokens']} new tokens, T={s['temperature']}, k={s['k']}, "
-                  f"{eval_report['dtype']}, batch {eval_report['batch_size']}, on "
-                  f"{eval_report['device']} x{eval_report['threads']} threads "
-                  "(draftsmith's engine):", "",
+        lines += [(f"{eval_report['num_prompts']} {eval_report['prompts']} prompts, "
+                   f"{s['max_new_tokens']} new tokens, T={s['temperature']}, k={s['k']}, "
+                   f"{eval_report['dtype']}, batch {eval_report['batch_size']}, on "
+                   f"{eval_report['device']} x{eval_report['threads']} threads "
+                   "(draftsmith's engine):"), "",
                   "| method | tau | alpha_k | tokens/s | speedup | identical to target |",
                   "|---|---|---|---|---|---|"]
         for name, r in eval_report["methods"].items():

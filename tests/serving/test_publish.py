@@ -19,7 +19,7 @@ def exported(tiny_target, tmp_path):
 
 
 def test_dry_run_lists_the_files_and_needs_no_token(exported, monkeypatch):
-    cfg, result = exported
+    cfg, _ = exported
     monkeypatch.delenv("HF_TOKEN", raising=False)
     upload = publish(cfg, "someone/tiny-medusa", dry_run=True)
     names = [name for name, _ in upload.files]
