@@ -129,10 +129,9 @@ def slot_loss(cfg: TrainConfig, slots, draft_logits: torch.Tensor, p_logits: tor
     distribution (and label) at the loss position it is scored against. -> [] (a sum)."""
     total = draft_logits.new_zeros(())
     for slot, q in zip(slots, split(draft_logits, slots)):
-        p = p_logits if p_logits is None or slot.rows is None else p_logits[slot.rows]
-        y = labels if slot.rows is None else labels[slot.rows]
-        total = total + slot.weight * divergence(cfg.loss_terms, p, q, y, beta=cfg.jsd_beta,
-                                                 temperature=cfg.temperature).sum()
+        total = total + slot.weight * divergence(
+            cfg.loss_terms, slot.pick(p_logits), q, slot.pick(labels), beta=cfg.jsd_beta,
+            temperature=cfg.temperature).sum()
     return total
 
 
@@ -288,9 +287,8 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
         loss_sum += float(slot_loss(cfg, slots, q_logits, p_logits, batch.labels))
         tokens += batch.loss_tokens
         for mode in sums:
-            values = [match_probability(p if s.rows is None else p_logits[s.rows], q,
-                                        greedy=mode == "greedy")
-                      for s, q, p in zip(slots, split(q_logits, slots), [p_logits] * len(slots))]
+            values = [match_probability(s.pick(p_logits), q, greedy=mode == "greedy")
+                      for s, q in zip(slots, split(q_logits, slots))]
             grid, valid = acceptance_grid(values, slots, pred, k)
             chain, n = chain_sums(grid.cpu(), valid.cpu())
             sums[mode] += chain

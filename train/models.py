@@ -33,6 +33,13 @@ class Slot:
     """Draft position j (1-based) in a chain of k; None: every position."""
     weight: float = 1.0
 
+    def pick(self, per_loss_position: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of a tensor over the N loss positions ([N, ...]: target logits, labels)
+        that this slot's draft rows are scored against -> [count, ...]."""
+        if per_loss_position is None or self.rows is None:
+            return per_loss_position
+        return per_loss_position[self.rows]
+
 
 class DraftForTraining(nn.Module):
     """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
