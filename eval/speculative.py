@@ -221,6 +221,11 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     settings = _settings(ev)
     vocab = target.get_output_embeddings().weight.shape[0]
+    others = {}  # eval.compare_drafts, loaded and checked before anything runs
+    for spec in ev.compare_drafts:
+        name, model = load_draft(spec, target, tokenizer, target.dtype, device)
+        check_k_fits(model, name, ev)
+        others[f"speculative:{draft_label(spec)}"] = (name, model)
 
     # a short warm-up so the first method does not pay one-off costs
     generate(target, *left_pad(prompts[:1], pad, device), DecodeSettings(max_new_tokens=4),
@@ -236,17 +241,13 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         elif method == "speculative":
             results[method], out = run_engine(method, target, prompts, settings, eos, pad,
                                               tokenizer, engine_draft(draft_model), cfg.run.seed)
-            for spec in ev.compare_drafts:
-                name, model = load_draft(spec, target, tokenizer, target.dtype, device)
-                check_k_fits(model, name, ev)
-                label = f"speculative:{draft_label(spec)}"
+            for label, (name, model) in others.items():
                 print(f"[eval] {label} ({name}) on {len(prompts)} prompts ...", flush=True)
                 results[label], other = run_engine(label, target, prompts, settings, eos, pad,
                                                    tokenizer, engine_draft(model), cfg.run.seed)
                 if reference is not None and ev.temperature == 0:
                     results[label].identical_to_target = sum(
                         a == b for a, b in zip(other, reference))
-                del model
         elif method == "hf_assisted" and isinstance(draft_model, MedusaHeads):
             print("[eval] hf_assisted skipped: transformers' assisted generation runs an "
                   "independent draft LM, not Medusa heads.")
