@@ -5,7 +5,9 @@
 
 Stages, in order: distill (the target writes the data), train (the draft learns the target's
 distributions on that data), eval (tau, alpha_k and speedup of eval.draft against the
-baselines). `python -m serving.export --config ...` then writes the folder vLLM serves.
+baselines), export (the trained draft as the folder vLLM serves, k = eval.k, with its model
+card). `--stage validate` then checks the export inside real vLLM (several minutes; not part of
+the default run), and `python -m serving.publish` uploads it.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-STAGES = ["distill", "train", "eval"]
+STAGES = ["distill", "train", "eval", "export"]
+ON_REQUEST = ["validate"]  # stages that run only when named
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/*.yaml")
-    parser.add_argument("--stage", choices=["all", *STAGES], default="all",
+    parser.add_argument("--stage", choices=["all", *STAGES, *ON_REQUEST], default="all",
                         help="run one stage alone (default: the whole pipeline)")
     args, overrides = parser.parse_known_args(argv)
 
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from distill import run_distill
     from eval.speculative import evaluate
+    from serving.export import export_draft
+    from serving.validate import validate
     from train import TrainingDiverged, accelerator_kwargs, train_draft
 
     try:
@@ -45,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _warn_if_starved(accelerator)
     stages = STAGES if args.stage == "all" else [args.stage]
+    status = 0
     try:
         if "distill" in stages:
             run_distill(cfg, accelerator)
@@ -52,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
             train_draft(cfg, accelerator)
         if "eval" in stages and accelerator.is_main_process:  # one process measures speed
             evaluate(cfg, accelerator.device)
+        if "export" in stages and accelerator.is_main_process:
+            exported = export_draft(cfg, cfg.eval.k)
+            print(f"[export] {exported.folder}; serve with:\n  {exported.vllm_command}")
+        if "validate" in stages and accelerator.is_main_process:
+            result = validate(cfg)
+            print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_vllm:.3f} in "
+                  f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
+                  f"{result.identical_vllm_texts}/{result.prompts}")
+            if not result.ok:
+                print(f"error: vLLM's tau differs from ours by "
+                      f"{100 * result.relative_difference:.1f} % (tolerance 5 %)", file=sys.stderr)
+                status = 1
         accelerator.wait_for_everyone()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -59,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
-    return 0
+    return status
 
 
 def _warn_if_starved(accelerator) -> None:

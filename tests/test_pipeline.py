@@ -36,3 +36,6 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
     report = json.loads((out / "eval" / "results.json").read_text())
     assert set(report["methods"]) == methods
     assert "| speculative |" in result.stdout
+    speculative = json.loads((next((out / "export").glob("*")) /
+                              "vllm_speculative_config.json").read_text())
+    assert speculative["num_speculative_tokens"] == 2 and "[export]" in result.stdout
