@@ -36,6 +36,27 @@ class Export:
     vllm_command: str
 
 
+def export_folder(cfg: Config, folder: Path | None = None) -> Path:
+    """The export folder to validate or publish: the one given, else the single one in
+    <run>/export/."""
+    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
+    candidates = [c for c in candidates if (c / "vllm_speculative_config.json").is_file()]
+    if len(candidates) != 1:
+        raise ConfigError(f"expected one exported draft, found {len(candidates)} in "
+                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export` "
+                          "first, or pass --folder.")
+    return candidates[0]
+
+
+def target_hub_id(cfg: Config) -> str | None:
+    """The target's hub id: the embedded SmolLM2's upstream repo, a hub id as given, None for a
+    local folder."""
+    target = cfg.model.target
+    if target.startswith("embedded:"):
+        return "HuggingFaceTB/" + target.removeprefix("embedded:")
+    return None if Path(target).expanduser().exists() else target
+
+
 def _target_shape(target_path: str) -> tuple[int, int]:
     """(hidden size, vocab size) of the target, from its config.json."""
     from transformers import AutoConfig
@@ -130,8 +151,7 @@ def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
     exact command that serves it, all from the resolved config and the recorded figures."""
     import yaml
 
-    base = cfg.model.target.removeprefix("embedded:")
-    base = "HuggingFaceTB/" + base if cfg.model.target.startswith("embedded:") else base
+    base = target_hub_id(cfg) or cfg.model.target
     kind = {"medusa": "Medusa heads", "draft_model": "an independent draft model"}[method]
     lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {method}",
              "- draftsmith", "---", "",

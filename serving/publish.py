@@ -34,13 +34,6 @@ class Upload:
     url: str | None = None
 
 
-def _target_hub_id(cfg: Config) -> str | None:
-    target = cfg.model.target
-    if target.startswith("embedded:"):
-        return "HuggingFaceTB/" + target.removeprefix("embedded:")
-    return None if Path(target).expanduser().exists() else target
-
-
 def _staged(folder: Path, repo_id: str, local_target: str | None, target_id: str | None,
             into: Path) -> Path:
     """A copy of the folder whose serving command names hub ids instead of local paths."""
@@ -59,22 +52,17 @@ def _staged(folder: Path, repo_id: str, local_target: str | None, target_id: str
 def publish(cfg: Config, repo_id: str, folder: Path | None = None, private: bool = False,
             dry_run: bool = False) -> Upload:
     from assets.target import resolve_target
+    from serving.export import export_folder, target_hub_id
 
     if "/" not in repo_id or repo_id.count("/") > 1:
         raise ConfigError(f"--repo-id {repo_id!r} must be '<user or org>/<name>'.")
-    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
-    candidates = [c for c in candidates if c and (c / "vllm_speculative_config.json").is_file()]
-    if len(candidates) != 1:
-        raise ConfigError(f"expected one exported draft, found {len(candidates)} in "
-                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export` "
-                          "first, or pass --folder.")
-    folder = candidates[0]
+    folder = export_folder(cfg, folder)
     token = os.environ.get(TOKEN_VARIABLE)
     if not dry_run and not token:
         raise ConfigError(f"no Hub token: set {TOKEN_VARIABLE} in the environment (a write token "
                           "from https://huggingface.co/settings/tokens), or use --dry-run.")
     with tempfile.TemporaryDirectory() as tmp:
-        staged = _staged(folder, repo_id, resolve_target(cfg.model).path, _target_hub_id(cfg),
+        staged = _staged(folder, repo_id, resolve_target(cfg.model).path, target_hub_id(cfg),
                          Path(tmp))
         files = sorted((str(p.relative_to(staged)), p.stat().st_size)
                        for p in staged.rglob("*") if p.is_file())

@@ -52,16 +52,6 @@ class Validation:
         return self.relative_difference <= self.tolerance
 
 
-def export_folder(cfg: Config, folder: Path | None) -> Path:
-    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
-    candidates = [c for c in candidates if (c / "vllm_speculative_config.json").is_file()]
-    if len(candidates) != 1:
-        raise ConfigError(f"expected one exported draft, found {len(candidates)} in "
-                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export` "
-                          "first, or pass --folder.")
-    return candidates[0]
-
-
 def run_vllm(request: dict, cache: Path) -> dict:
     """serving/vllm_run.py in a subprocess (vLLM spawns workers; it needs its own __main__)."""
     import os
@@ -94,6 +84,7 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     from recipe import cache_root
     from serving.drafts import engine_draft, load_draft
     from serving.engine import DecodeSettings
+    from serving.export import export_folder
 
     folder = export_folder(cfg, folder)
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
