@@ -25,7 +25,7 @@ from assets.target import load_target, load_tokenizer, resolve_target
 from distill.chat import render
 from distill.generate import end_of_turn_ids, left_pad
 from recipe import Config, ConfigError, EvalConfig
-from serving.drafts import PromptLookupDraft, engine_draft, load_draft
+from serving.drafts import PromptLookupDraft, engine_draft, is_head, load_draft
 from serving.engine import DecodeSettings, RequestStats, generate
 from serving.medusa import MedusaHeads
 
@@ -248,9 +248,9 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
                 if reference is not None and ev.temperature == 0:
                     results[label].identical_to_target = sum(
                         a == b for a, b in zip(other, reference))
-        elif method == "hf_assisted" and isinstance(draft_model, MedusaHeads):
+        elif method == "hf_assisted" and is_head(draft_model):
             print("[eval] hf_assisted skipped: transformers' assisted generation runs an "
-                  "independent draft LM, not Medusa heads.")
+                  "independent draft LM, not heads on the target's features.")
             continue
         elif method == "hf_assisted":
             results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer,

@@ -246,9 +246,23 @@ class TrainConfig:
     final norm and head), 'fresh:<layers>' or 'fresh:<layers>x<hidden>' (the target's
     architecture, random weights), an HF causal LM folder / hub id with the target's vocab, or
     'medusa:<heads>' / 'medusa:<heads>x<layers>' (Medusa heads on the frozen target's last hidden
-    state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's)."""
+    state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's),
+    or 'eagle3' (an EAGLE-3 head: one decoder layer on the target's aux features, see below)."""
     head_decay: float = 0.8
-    """Medusa: the loss of head j (1-based, predicting j+1 tokens ahead) weighs head_decay**(j-1)."""
+    """Medusa head j / EAGLE-3 training-time-test step j (1-based) weighs head_decay**(j-1)."""
+    eagle_aux_layers: list[int] | None = None
+    """EAGLE-3: the target's three feature layers as HF output_hidden_states indices (k = the
+    input of decoder layer k, vLLM's convention); None: vLLM's default (2, n//2, n-3)."""
+    draft_vocab_size: int | None = None
+    """EAGLE-3: the draft vocabulary, the Vd most frequent target tokens among the training
+    labels; None: min(32000, V)."""
+    ttt_steps: int = 7
+    """EAGLE-3 training-time test: draft steps unrolled per position, step j feeding the head
+    its own output of step j-1."""
+    target_features: Literal["online", "offline"] = "online"
+    """EAGLE-3: 'online' runs the target on every batch; 'offline' writes its features (aux
+    layers and last hidden state, feature_dtype) once to <run>/features and reads them back."""
+    feature_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     loss: str = "tvd"
     """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
     '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""
@@ -349,6 +363,26 @@ class TrainConfig:
                 raise ConfigError(f"train.eval_k={self.eval_k} draft tokens need as many Medusa "
                                   f"heads, but train.draft={self.draft!r} has {heads}: lower "
                                   "train.eval_k or add heads.")
+
+        if self.draft == "eagle3":
+            if not 0.0 < self.head_decay <= 1.0:
+                raise ConfigError(f"train.head_decay={self.head_decay} must be in (0, 1].")
+            if self.ttt_steps < 1:
+                raise ConfigError(f"train.ttt_steps={self.ttt_steps} must be >= 1.")
+            if self.eval_k > self.ttt_steps:
+                raise ConfigError(f"train.eval_k={self.eval_k}: the predicted acceptance of draft "
+                                  f"position j needs training-time-test step j, and "
+                                  f"train.ttt_steps={self.ttt_steps}: lower eval_k or raise "
+                                  "ttt_steps.")
+            if self.on_policy_fraction > 0 or self.lora_rank or self.target_logits != "online":
+                raise ConfigError("an EAGLE-3 head needs the target's features on every batch and "
+                                  "is trained whole: set train.on_policy_fraction=0, "
+                                  "train.lora_rank=0 and train.target_logits=online.")
+            if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+                raise ConfigError("train.draft_vocab_size must be >= 1 (or null).")
+        elif self.draft.startswith("eagle"):
+            raise ConfigError(f"train.draft={self.draft!r}: the EAGLE-3 head is 'eagle3' (one "
+                              "decoder layer, as vLLM serves it).")
 
     @property
     def medusa_shape(self) -> tuple[int, int] | None:

@@ -1,5 +1,5 @@
 """Drafts the engine can use: an independent LM, and prompt lookup (n-gram, training-free);
-Medusa heads live in serving/medusa.py.
+Medusa heads live in serving/medusa.py, EAGLE-3 heads in serving/eagle3.py.
 
 A draft proposes k tokens per row with the distribution q each was sampled from; the engine's
 verification keeps the output the target's whatever the draft proposes. Head drafts set
@@ -105,8 +105,9 @@ def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None)
 
 
 def load_draft(spec: str, target, target_tokenizer, dtype, device):
-    """'self', 'layer-truncated:<n>', a Medusa folder, or an HF folder / hub id ->
-    (name, draft model or MedusaHeads), checked against the target's vocabulary."""
+    """'self', 'layer-truncated:<n>', a Medusa or EAGLE-3 folder, or an HF folder / hub id ->
+    (name, draft model, MedusaHeads or Eagle3Model), checked against the target."""
+    from serving import eagle3
     from serving.medusa import MedusaHeads, check_fits_target, is_medusa_folder
 
     if spec == "self":
@@ -120,6 +121,11 @@ def load_draft(spec: str, target, target_tokenizer, dtype, device):
         heads = MedusaHeads.from_pretrained(spec, dtype, device)
         check_fits_target(heads, target)
         return f"{spec} (Medusa, {heads.num_heads} heads)", heads
+    if eagle3.is_eagle3_folder(spec):
+        head = eagle3.Eagle3Head.from_pretrained(spec, dtype, device)
+        eagle3.check_fits_target(head, target)
+        return (f"{spec} (EAGLE-3, draft vocabulary {head.draft_vocab_size})",
+                eagle3.Eagle3Model(head, target.get_input_embeddings()))
     draft = pretrained_draft(spec, target, target_tokenizer, dtype).eval().to(device)
     draft.requires_grad_(False)
     return spec, draft
@@ -127,9 +133,20 @@ def load_draft(spec: str, target, target_tokenizer, dtype, device):
 
 def engine_draft(model, name: str = "draft"):
     """What load_draft returned -> a fresh Draft for one engine run."""
+    from serving.eagle3 import Eagle3Draft, Eagle3Model
     from serving.medusa import MedusaDraft, MedusaHeads
 
+    if isinstance(model, Eagle3Model):
+        return Eagle3Draft(model.head, model.embedding, name)
     return MedusaDraft(model, name) if isinstance(model, MedusaHeads) else ModelDraft(model, name)
+
+
+def is_head(model) -> bool:
+    """Whether load_draft gave a head on the target's features (no LM of its own)."""
+    from serving.eagle3 import Eagle3Model
+    from serving.medusa import MedusaHeads
+
+    return isinstance(model, (MedusaHeads, Eagle3Model))
 
 
 def pretrained_draft(spec: str, target, target_tokenizer, dtype):

@@ -27,7 +27,8 @@ def _plogp_ratio(log_p, log_r):
 
 
 def hard_ce(draft_logits: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-    """-log q(y) for the token the target wrote: draft_logits [N, V], target_tokens [N] -> [N]."""
+    """-log q(y) for the token the target wrote: draft_logits [N, V], target_tokens [N] -> [N].
+    A label of -100 (a token outside a reduced draft vocabulary) counts 0."""
     return F.cross_entropy(draft_logits.float(), target_tokens, reduction="none")
 
 

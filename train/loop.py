@@ -40,7 +40,15 @@ from train.data import (
 )
 from train.divergences import divergence
 from train.draft_init import init_draft
-from train.models import DraftForTraining, MedusaForTraining, acceptance_grid, split
+from train.features import feature_cache, target_hidden
+from train.models import (
+    DraftForTraining,
+    Eagle3ForTraining,
+    MedusaForTraining,
+    TargetHidden,
+    acceptance_grid,
+    split,
+)
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
 # trajectory (data, losses, schedule), only what gets logged or kept.
@@ -110,23 +118,19 @@ class Dist:
 
 
 @torch.no_grad()
-def target_hidden(target, batch: Batch) -> torch.Tensor:
-    """The frozen target's post-norm last hidden state: [B, T, H]."""
-    return target.get_decoder()(input_ids=batch.input_ids,
-                                attention_mask=batch.attention_mask).last_hidden_state
-
-
-@torch.no_grad()
-def target_logits(target, batch: Batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+def target_logits(target, batch: Batch, hidden: TargetHidden | None = None) -> torch.Tensor:
     """The frozen target's logits at the batch's loss positions: [N, V]."""
     hidden = target_hidden(target, batch) if hidden is None else hidden
-    return target.get_output_embeddings()(hidden[batch.pred_mask]).float()
+    weight = target.get_output_embeddings().weight
+    return target.get_output_embeddings()(hidden.last[batch.pred_mask].to(weight.dtype)).float()
 
 
-def slot_loss(cfg: TrainConfig, slots, draft_logits: torch.Tensor, p_logits: torch.Tensor | None,
-              labels: torch.Tensor) -> torch.Tensor:
+def slot_loss(cfg: TrainConfig, model, slots, draft_logits: torch.Tensor,
+              p_logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
     """Sum over the slots of weight * the divergence of each draft row from the target's
-    distribution (and label) at the loss position it is scored against. -> [] (a sum)."""
+    distribution (and label) at the loss position it is scored against, in the draft's
+    vocabulary (model.restrict). -> [] (a sum)."""
+    p_logits, labels = _unwrap(model).restrict(p_logits, labels)
     total = draft_logits.new_zeros(())
     for slot, q in zip(slots, split(draft_logits, slots)):
         total = total + slot.weight * divergence(
@@ -271,7 +275,7 @@ class _Log:
 
 @torch.no_grad()
 def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
-                      device: torch.device) -> dict:
+                      device: torch.device, hidden_of=None) -> dict:
     """Loss and predicted acceptance (tau, alpha_1..alpha_k for k = eval_k) on held-out data,
     for sampling at temperature 1 (sum min(p, q)) and for greedy decoding (argmax match)."""
     k, trained = cfg.eval_k, _unwrap(model)
@@ -281,14 +285,15 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
     for batch in batches:
         batch = batch.to(device)
         pred, slots = batch.pred_mask, trained.slots(batch.pred_mask)
-        hidden = target_hidden(target, batch)
-        q_logits = model(batch.input_ids, batch.attention_mask, pred, hidden).float()  # [M, V]
+        hidden = target_hidden(target, batch) if hidden_of is None else hidden_of(batch)
+        q_logits = model(batch.input_ids, batch.attention_mask, pred, hidden).float()  # [M, Vd]
         p_logits = target_logits(target, batch, hidden)  # [N, V]
-        loss_sum += float(slot_loss(cfg, slots, q_logits, p_logits, batch.labels))
+        loss_sum += float(slot_loss(cfg, model, slots, q_logits, p_logits, batch.labels))
         tokens += batch.loss_tokens
+        q_full = trained.expand(q_logits)  # [M, V]: acceptance is against the full target
         for mode in sums:
             values = [match_probability(s.pick(p_logits), q, greedy=mode == "greedy")
-                      for s, q in zip(slots, split(q_logits, slots))]
+                      for s, q in zip(slots, split(q_full, slots))]
             grid, valid = acceptance_grid(values, slots, pred, k)
             chain, n = chain_sums(grid.cpu(), valid.cpu())
             sums[mode] += chain
@@ -326,11 +331,17 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
 
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
-    draft = init_draft(tcfg.draft, target, tokenizer, tcfg.medusa_shape)
+    aux_layers = None
+    if tcfg.draft == "eagle3":
+        draft, aux_layers = _eagle3_head(cfg, target, data, accelerator.print)
+    else:
+        draft = init_draft(tcfg.draft, target, tokenizer, tcfg.medusa_shape)
     freeze = tcfg.freeze_embeddings
-    if freeze is None:  # fresh embeddings are random and must learn; Medusa trains its heads
-        freeze = not tcfg.draft.startswith(("fresh:", "medusa:"))
-    if freeze and tcfg.medusa_shape is not None:
+    if freeze is None:  # fresh embeddings are random and must learn; heads train their lm_heads
+        freeze = not tcfg.draft.startswith(("fresh:", "medusa:", "eagle3"))
+    if freeze and tcfg.draft == "eagle3":
+        draft.lm_head.requires_grad_(False)
+    elif freeze and tcfg.medusa_shape is not None:
         draft.lm_heads.requires_grad_(False)
     elif freeze:
         draft.get_input_embeddings().requires_grad_(False)
@@ -340,8 +351,12 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
 
         draft = get_peft_model(draft, LoraConfig(r=tcfg.lora_rank, lora_alpha=tcfg.lora_alpha,
                                                  target_modules=tcfg.lora_targets))
-    model = (MedusaForTraining(draft, tcfg.head_decay) if tcfg.medusa_shape is not None
-             else DraftForTraining(draft))
+    if aux_layers is not None:
+        model = Eagle3ForTraining(draft, tcfg.ttt_steps, tcfg.head_decay)
+    elif tcfg.medusa_shape is not None:
+        model = MedusaForTraining(draft, tcfg.head_decay)
+    else:
+        model = DraftForTraining(draft)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=tcfg.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=tcfg.weight_decay)
@@ -370,9 +385,21 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     G, world = tcfg.gradient_accumulation_steps, dist.world
     model_needs_hidden = _unwrap(model).needs_target_hidden
     needs_target_logits = any(name != "ce" for _, name in tcfg.loss_terms)
+    features = None
+    if aux_layers is not None and tcfg.target_features == "offline":
+        features = feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out,
+                                 aux_layers, pad_id, dist.rank, dist.world, dist.barrier,
+                                 accelerator.print)
+
+    def hidden_of(batch: Batch) -> TargetHidden:
+        """The target's hidden states for a batch: from the feature cache, or a forward."""
+        if features is not None:
+            return features.lookup(batch, target)
+        with accelerator.autocast():  # the target's matmuls in the same precision
+            return target_hidden(target, batch, aux_layers)
 
     def held_out_eval() -> dict:
-        result = evaluate_held_out(model, target, held_out, tcfg, device)
+        result = evaluate_held_out(model, target, held_out, tcfg, device, hidden_of)
         accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
                           f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
                           f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
@@ -411,8 +438,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                 hidden = None
                 if model_needs_hidden or (needs_target_logits and (
                         tcfg.target_logits == "online" or batch.on_policy)):
-                    with accelerator.autocast():  # the target's matmuls in the same precision
-                        hidden = target_hidden(target, batch)
+                    hidden = hidden_of(batch)
                 draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
                 if not needs_target_logits:  # hard-label CE alone
                     p_logits = None
@@ -421,7 +447,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                 else:
                     with accelerator.autocast():
                         p_logits = target_logits(target, batch, hidden)
-                loss = slot_loss(tcfg, slots, draft_logits, p_logits, batch.labels)
+                loss = slot_loss(tcfg, model, slots, draft_logits, p_logits, batch.labels)
                 if dist.sum(float(not torch.isfinite(loss))) > 0:
                     raise TrainingDiverged(
                         f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
@@ -462,6 +488,30 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     for tracker in accelerator.trackers:  # not end_training(): it ends the process group
         tracker.finish()
     return summary
+
+
+def _eagle3_head(cfg: Config, target, data, log):
+    """A fresh EAGLE-3 head: aux layers checked against the target, the draft vocabulary the
+    train.draft_vocab_size most frequent label tokens of the training conversations."""
+    from serving.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers, most_frequent_ids
+
+    tcfg, layers = cfg.train, target.config.num_hidden_layers
+    aux_layers = check_aux_layers(tcfg.eagle_aux_layers or default_aux_layers(layers), layers)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    size = tcfg.draft_vocab_size or min(32000, vocab_size)
+    if size > vocab_size:
+        raise ConfigError(f"train.draft_vocab_size={size} is larger than the target's vocabulary "
+                          f"({vocab_size} tokens): set it to at most {vocab_size}.")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in data.train:
+        labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(labels, minlength=vocab_size)
+    draft_ids = most_frequent_ids(counts, size)
+    covered = float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
+    log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
+        f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
+    head = Eagle3Head.from_target(target, aux_layers, draft_ids).float()
+    return head.requires_grad_(True).train(), aux_layers
 
 
 def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config,

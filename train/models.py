@@ -1,4 +1,5 @@
-"""What the loop trains: an independent draft LM, or Medusa heads on the frozen target's features.
+"""What the loop trains: an independent draft LM, or Medusa / EAGLE-3 heads on the frozen
+target's features.
 
 Both are nn.Modules whose forward returns draft logits [M, V] only where a loss applies (DDP,
 FSDP and DeepSpeed wrap that forward), and both say, with `slots(pred_mask)`, which of the batch's
@@ -14,7 +15,32 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from serving.eagle3 import Eagle3Head, draft_index, unroll
 from serving.medusa import MedusaHeads
+
+
+@dataclass
+class TargetHidden:
+    """What the frozen target computed for a batch, as the draft kinds need it."""
+
+    last: torch.Tensor
+    """[B, T, H] the post-norm last hidden state (the target's logits are its lm_head of it)."""
+    aux: torch.Tensor | None = None
+    """[B, T, 3H] EAGLE-3's aux layers, concatenated in layer order."""
+    embeds: torch.Tensor | None = None
+    """[B, T, H] the target's embedding of each input token (EAGLE-3)."""
+
+
+class SameVocabulary:
+    """Drafts that predict over the target's own vocabulary: nothing to map."""
+
+    def restrict(self, target_logits, labels):
+        """Target logits [N, V] and labels [N] -> what the draft's [M, Vd] rows are scored against."""
+        return target_logits, labels
+
+    def expand(self, draft_logits):
+        """Draft logits [M, Vd] -> [M, V] over the target's vocabulary (for acceptance)."""
+        return draft_logits
 
 
 @dataclass
@@ -41,7 +67,7 @@ class Slot:
         return per_loss_position[self.rows]
 
 
-class DraftForTraining(nn.Module):
+class DraftForTraining(SameVocabulary, nn.Module):
     """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
     49k vocabulary the head is the largest matmul, and most positions of a conversation (the
     prompts) carry no loss."""
@@ -76,7 +102,7 @@ def medusa_slots(pred_mask: torch.Tensor, num_heads: int, decay: float) -> list[
     return slots
 
 
-class MedusaForTraining(nn.Module):
+class MedusaForTraining(SameVocabulary, nn.Module):
     """Medusa heads on the frozen target's post-norm last hidden state [B, T, H]: for each head
     its logits at the starts medusa_slots gives, concatenated -> [M, V]."""
 
@@ -92,9 +118,47 @@ class MedusaForTraining(nn.Module):
     def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
         dtype = self.lm.lm_heads[0].weight.dtype
         logits = [self.lm.head_logits(slot.position - 1,
-                                      target_hidden[slot.starts[:, 0], slot.starts[:, 1]].to(dtype))
+                                      target_hidden.last[slot.starts[:, 0],
+                                                         slot.starts[:, 1]].to(dtype))
                   for slot in self.slots(pred_mask)]
         return torch.cat(logits)  # [M, V]
+
+
+class Eagle3ForTraining(nn.Module):
+    """An EAGLE-3 head under the training-time test: `steps` unrolled draft steps, step j's
+    output at start s scored as draft position j+1 against the target at s + j + 1 (the slots of
+    medusa_slots), over the draft vocabulary.
+
+    The loss compares the draft with the target's distribution restricted to the draft
+    vocabulary and renormalised there (softmax of the target's logits at those Vd ids), and CE
+    labels outside the draft vocabulary are ignored; predicted acceptance compares the draft,
+    placed in the target's vocabulary, with the target's full distribution, as serving does."""
+
+    needs_target_hidden = True
+
+    def __init__(self, head: Eagle3Head, steps: int, decay: float):
+        super().__init__()
+        self.lm, self.steps, self.decay = head, steps, decay
+
+    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
+        return medusa_slots(pred_mask, self.steps, self.decay)
+
+    def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
+        dtype = self.lm.fc.weight.dtype
+        outputs = unroll(self.lm, target_hidden.embeds.to(dtype), target_hidden.aux.to(dtype),
+                         attention_mask, self.steps)  # steps x [B, T, H]
+        return torch.cat([self.lm.logits(outputs[s.position - 1][s.starts[:, 0], s.starts[:, 1]])
+                          for s in self.slots(pred_mask)])  # [M, Vd]
+
+    def restrict(self, target_logits, labels):
+        ids = self.lm.draft_to_target
+        index = draft_index(self.lm.d2t, self.lm.vocab_size)
+        restricted = None if target_logits is None else target_logits[:, ids]  # [N, Vd]
+        return restricted, index[labels]  # labels outside the draft vocabulary -> IGNORE
+
+    def expand(self, draft_logits):
+        return self.lm.full_vocab_logits(draft_logits)
+
 
 
 def split(draft_logits: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from torch import nn
 from recipe import ConfigError, TrainConfig
 from train import accelerator_kwargs, train_draft
 from train.acceptance import chain_sums, chained_acceptance
-from train.models import DraftForTraining, acceptance_grid, medusa_slots
+from train.models import DraftForTraining, SameVocabulary, acceptance_grid, medusa_slots
 
 
 def test_medusa_head_j_at_start_s_is_scored_at_loss_position_s_plus_j():
@@ -44,7 +44,7 @@ def test_independent_draft_grid_gives_the_sliding_window_chains():
     assert windows == expected_windows > 0
 
 
-class _OracleHeads(nn.Module):
+class _OracleHeads(SameVocabulary, nn.Module):
     """Heads that return, for head j at start s, the target's own logits at s + j: perfect
     Medusa heads, if (and only if) the slots pair starts and loss positions correctly."""
 
@@ -58,7 +58,7 @@ class _OracleHeads(nn.Module):
         return medusa_slots(pred_mask, self.num_heads, 0.8)
 
     def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
-        logits = self.target.lm_head(target_hidden)  # [B, T, V]
+        logits = self.target.lm_head(target_hidden.last)  # [B, T, V]
         return torch.cat([logits[s.starts[:, 0], s.starts[:, 1] + s.position]
                           for s in self.slots(pred_mask)])
 

@@ -1,0 +1,499 @@
+"""EAGLE-3 draft heads (Li et al. 2025): one decoder layer on the target's own features.
+
+The target's hidden states at three layers (low, middle, high) are concatenated and projected
+by `fc` [H, 3H] to one feature h_t. The head's decoder layer reads, at position t,
+cat(input_layernorm(embed(x_{t+1})), hidden_norm(h_t)) [2H] and its attention spans the head's
+own KV cache; the final norm and an lm_head over a reduced draft vocabulary (Vd of the target's
+V tokens) predict x_{t+2}. The layer's pre-norm output is fed back as h for the next draft token
+(and, in training, for the next step of the training-time test).
+
+Weights are named as vLLM's `LlamaForCausalLMEagle3` loads them (`fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`), so export only writes the config vLLM expects. The token embedding is
+the target's, frozen, and is not stored with the head.
+
+Vocabulary maps: draft id i means target id i + d2t[i]; t2d[v] says whether target id v is in
+the draft vocabulary. Both are built from one sorted list of target ids and checked against each
+other wherever a head is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipe import ConfigError
+from serving.speculative import sampling_probs
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+IGNORE = -100  # a label outside the draft vocabulary (F.cross_entropy's ignore_index)
+
+
+# --- aux layers ----------------------------------------------------------------------------
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's default (2, n//2, n-3) for an n-layer target, as HF output_hidden_states indices
+    (index k = the input of decoder layer k; 0 = the embeddings)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
+    """Three layer ids in [0, n-1], low to high: the inputs of decoder layers, which is what
+    vLLM captures (its default repeats an id for a 6-layer target, so repeats are allowed)."""
+    if len(layers) != 3 or sorted(layers) != list(layers):
+        raise ConfigError(f"EAGLE-3 aux layers {layers} must be three ids from low to high, e.g. "
+                          f"{default_aux_layers(num_layers)}.")
+    if not all(0 <= i < num_layers for i in layers):
+        raise ConfigError(f"EAGLE-3 aux layers {layers} must lie in [0, {num_layers - 1}]: the "
+                          f"target has {num_layers} decoder layers and layer k means the input of "
+                          f"layer k (HF output_hidden_states[k]); the default is "
+                          f"{default_aux_layers(num_layers)}.")
+    return list(layers)
+
+
+def aux_features(hidden_states, layers: list[int]) -> torch.Tensor:
+    """HF output_hidden_states (a tuple of [B, T, H]) -> the aux layers concatenated in layer
+    order, [B, T, 3H]."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+# --- draft vocabulary --------------------------------------------------------------------
+
+def most_frequent_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """counts [V] -> the `size` most frequent target ids (ties: the lower id), sorted: [Vd]."""
+    vocab = counts.shape[0]
+    if not 1 <= size <= vocab:
+        raise ConfigError(f"train.draft_vocab_size={size} must be in [1, {vocab}] (the target's "
+                          "vocabulary).")
+    ids = torch.arange(vocab)
+    order = torch.argsort(counts.double() * (vocab + 1) - ids.double(), descending=True, stable=True)
+    return order[:size].sort().values
+
+
+def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted target ids [Vd] -> (d2t [Vd] int64: target = draft + d2t[draft], t2d [V] bool)."""
+    d2t = draft_ids.long() - torch.arange(len(draft_ids))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d
+
+
+def target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Draft ids [...] -> target ids [...]."""
+    return draft_ids + d2t[draft_ids]
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, where: str = "the head") -> None:
+    """Refuse a d2t that does not encode exactly the target ids t2d marks, in increasing order
+    (as vocab_maps builds it, so that a swap is caught too): a mismatched or regenerated d2t
+    makes draft tokens mean other words."""
+    mapped = target_ids(torch.arange(len(d2t), device=d2t.device), d2t)
+    ok = (len(d2t) == int(t2d.sum()) and bool((mapped[1:] > mapped[:-1]).all())
+          and torch.equal(mapped, t2d.nonzero()[:, 0].to(mapped)))
+    if not ok:
+        raise ConfigError(f"{where}: d2t ({len(d2t)} draft ids) does not map onto the "
+                          f"{int(t2d.sum())} target ids its t2d marks, so its draft tokens would "
+                          "be read as other words. The vocabulary maps were edited or come from "
+                          "another training run: re-export the head from its training run.")
+
+
+def draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] the draft id of each target id, IGNORE where the draft vocabulary lacks it."""
+    index = torch.full((vocab_size,), IGNORE, dtype=torch.long, device=d2t.device)
+    index[target_ids(torch.arange(len(d2t), device=d2t.device), d2t)] = torch.arange(
+        len(d2t), device=d2t.device)
+    return index
+
+
+# --- the head ----------------------------------------------------------------------------
+
+def head_config(target_config, draft_vocab_size: int, aux_layers: list[int]):
+    """The head's LlamaConfig: the target's attention and MLP shapes, one layer, Vd outputs."""
+    from transformers import LlamaConfig
+
+    t = target_config
+    hidden = t.hidden_size
+    heads = t.num_attention_heads
+    rope = getattr(t, "rope_parameters", None) or {
+        "rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=t.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
+        head_dim=getattr(t, "head_dim", None) or hidden // heads,
+        hidden_act=getattr(t, "hidden_act", "silu"), rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings, rope_parameters=dict(rope),
+        vocab_size=t.vocab_size, tie_word_embeddings=False, attention_bias=False,
+        mlp_bias=False)
+
+
+class Attention(nn.Module):
+    """q/k/v over the 2H input, o back to H (vLLM's names)."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, d)
+        self.q_proj = nn.Linear(2 * hidden, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+
+
+class MidLayer(nn.Module):
+    def __init__(self, config):
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps)  # on the token embedding
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps)  # on the fed-in hidden state
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kv, t, d] -> [B, kv * groups, t, d] (grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+class Eagle3Head(nn.Module):
+    """fc + one decoder layer + norm + lm_head over Vd draft tokens, with d2t/t2d buffers."""
+
+    def __init__(self, config, aux_layers: list[int], draft_ids: torch.Tensor):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        super().__init__()
+        self.config, self.aux_layers = config, list(aux_layers)
+        hidden = config.hidden_size
+        self.vocab_size, self.draft_vocab_size = config.vocab_size, len(draft_ids)
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
+        d2t, t2d = vocab_maps(draft_ids, config.vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    @classmethod
+    def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor) -> Eagle3Head:
+        """A fresh head for this target: random layer (Llama init), lm_head = the target's head
+        rows of the draft vocabulary (so the head starts in the target's output space)."""
+        config = head_config(target.config, len(draft_ids), aux_layers)
+        if target.get_output_embeddings().weight.shape[0] != config.vocab_size:
+            config.vocab_size = target.get_output_embeddings().weight.shape[0]
+        head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
+                   draft_ids)
+        std = config.initializer_range
+        with torch.no_grad():
+            for module in head.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, std)
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
+        return head.to(target.get_output_embeddings().weight.device)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[Vd] the target id of each draft id."""
+        return target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device), self.d2t)
+
+    # the layer, in three parts: the projections, attention (outside: a cache in serving, the
+    # training-time test's masks in training), and the output
+    def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """embeds, hidden [B, t, H], positions [B, t] -> q [B, n, t, d], k, v [B, kv, t, d] (with
+        rotary), residual [B, t, H]. norm_before_residual = false: the residual is h itself."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        batch, t, _ = x.shape
+
+        def heads(proj, n):
+            return proj(x).view(batch, t, n, attn.head_dim).transpose(1, 2)
+
+        q, k, v = (heads(attn.q_proj, attn.num_heads), heads(attn.k_proj, attn.num_kv_heads),
+                   heads(attn.v_proj, attn.num_kv_heads))
+        cos, sin = self.rotary(x, positions)  # [B, t, d]
+        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v, hidden
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attention output [B, n, t, d] and residual [B, t, H] -> the pre-norm output [B, t, H]
+        (what is fed back as the next hidden state)."""
+        layer = self.midlayer
+        batch, _, t, _ = attended.shape
+        residual = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, t, -1)) + residual
+        return layer.mlp(layer.post_attention_layernorm(residual)) + residual
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocabulary logits [..., Vd]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V], -inf on target tokens outside the draft vocabulary."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_to_target, draft_logits)
+
+    @property
+    def groups(self) -> int:
+        attn = self.midlayer.self_attn
+        return attn.num_heads // attn.num_kv_heads
+
+    # saving in vLLM's layout
+    def config_dict(self) -> dict:
+        config = self.config.to_dict()
+        for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+            config.pop(key, None)
+        config.update({
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "num_hidden_layers": 1, "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False, "norm_before_residual": False,
+            "target_hidden_size": self.config.hidden_size,
+            "eagle_config": {"use_aux_hidden_state": True,
+                             "eagle_aux_hidden_state_layer_ids": self.aux_layers},
+            "draftsmith": {"aux_layers": self.aux_layers,
+                           "aux_layers_meaning": "HF output_hidden_states indices (the input of "
+                                                 "decoder layer k), vLLM's convention"}})
+        return config
+
+    def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.state_dict() if state_dict is None else state_dict
+        state = {k: v for k, v in state.items() if not k.startswith("rotary.")}
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
+                  str(folder / WEIGHTS_NAME))
+        (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, dtype=torch.float32,
+                        device: torch.device | str = "cpu") -> Eagle3Head:
+        from safetensors.torch import load_file
+        from transformers import LlamaConfig
+
+        folder = Path(folder)
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+        if not is_eagle3_config(raw):
+            raise ConfigError(f"{folder} is not an EAGLE-3 head (architectures "
+                              f"{raw.get('architectures')}).")
+        if raw.get("norm_before_residual", False):
+            raise ConfigError(f"{folder}: norm_before_residual=true heads are not supported by "
+                              "draftsmith's engine (vLLM's default is false).")
+        aux = (raw.get("draftsmith", {}).get("aux_layers")
+               or raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
+        state = load_file(str(folder / WEIGHTS_NAME))
+        for name in ("d2t", "t2d"):
+            if name not in state:
+                raise ConfigError(f"{folder / WEIGHTS_NAME} holds no {name}: without it draft "
+                                  "ids cannot be read as target ids.")
+        check_vocab_maps(state["d2t"], state["t2d"], str(folder))
+        config = LlamaConfig(**{k: v for k, v in raw.items()
+                                if k not in ("architectures", "model_type", "draftsmith")})
+        draft_ids = target_ids(torch.arange(len(state["d2t"])), state["d2t"])
+        head = cls(config, aux or [], draft_ids.sort().values)
+        head.d2t, head.t2d = state["d2t"].long(), state["t2d"].bool()
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.startswith("rotary.")]
+        if missing or unexpected:
+            raise ConfigError(f"{folder / WEIGHTS_NAME} does not match an EAGLE-3 head: missing "
+                              f"{missing[:4]}, unexpected {unexpected[:4]}.")
+        return head.to(device=device, dtype=dtype).eval()
+
+
+def is_eagle3_config(config: dict) -> bool:
+    return "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
+
+
+def is_eagle3_folder(spec: str) -> bool:
+    config = Path(spec).expanduser() / CONFIG_NAME
+    return config.is_file() and is_eagle3_config(json.loads(config.read_text()))
+
+
+def check_fits_target(head: Eagle3Head, target) -> None:
+    """Refuse a head made for another hidden size, vocabulary or layer count."""
+    weight = target.get_output_embeddings().weight  # [V, H]
+    if (head.vocab_size, head.config.hidden_size) != tuple(weight.shape):
+        raise ConfigError(f"the EAGLE-3 head reads hidden size {head.config.hidden_size} over a "
+                          f"{head.vocab_size}-token vocabulary, but the target has hidden size "
+                          f"{weight.shape[1]} and {weight.shape[0]} tokens: a head only works on "
+                          "the target it was trained on.")
+    if not head.aux_layers:
+        head.aux_layers = default_aux_layers(target.config.num_hidden_layers)
+    check_aux_layers(head.aux_layers, target.config.num_hidden_layers)
+
+
+# --- training-time test ------------------------------------------------------------------
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, ...] -> x[:, n:] padded with zeros at the end to length T."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """Attention of training-time-test step j = len(keys) - 1.
+
+    Query t of step j (draft token j+1 of the chain that starts after position t) sees what the
+    head's cache holds in serving at that point: step 0's entries at positions <= t (made from
+    the target's features) and its own earlier steps' entries for the same chain, i.e. step i's
+    entry at the same index t, i = 1..j. q [B, n, T, d]; keys, values: j+1 of [B, kv, T, d];
+    mask [B, 1, T, T] bool (causal and padding) -> [B, n, T, d]."""
+    scale = q.shape[-1] ** -0.5
+    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))]  # [B,n,T,T]
+    for k in keys[1:]:
+        scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, n, T, 1]
+    probs = torch.softmax(torch.cat(scores, -1).float(), dim=-1).to(q.dtype)
+    length = k0.shape[2]
+    out = probs[..., :length] @ v0
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., length + i : length + i + 1] * repeat_kv(v, groups)
+    return out
+
+
+def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
+           attention_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The training-time test: `steps` draft steps over a right-padded batch.
+
+    embeds [B, T, H] (the target's embedding of each token), aux [B, T, 3H] (the target's aux
+    features), attention_mask [B, T] -> one pre-norm output [B, T, H] per step. Step j at index t
+    reads the embedding of x_{t+1+j} and step j-1's output at t (step 0: fc(aux_t)), sits at
+    position t + j, and predicts x_{t+2+j}."""
+    batch, length, _ = embeds.shape
+    positions = torch.arange(length, device=embeds.device).expand(batch, length)
+    causal = torch.ones(length, length, dtype=torch.bool, device=embeds.device).tril()
+    mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, T, T]
+    hidden = head.fc(aux)
+    keys, values, outputs = [], [], []
+    for j in range(steps):
+        q, k, v, residual = head.project(shift_left(embeds, 1 + j), hidden, positions + j)
+        keys.append(k)
+        values.append(v)
+        hidden = head.finish(ttt_attention(q, keys, values, mask, head.groups), residual)
+        outputs.append(hidden)
+    return outputs
+
+
+# --- serving -----------------------------------------------------------------------------
+
+class HeadCache:
+    """The head's own KV cache with a slot mask [B, L] (holes for rejected slots, as in
+    serving/kv.py) and each row's next position [B]."""
+
+    def __init__(self, batch: int, head: Eagle3Head, device):
+        attn = head.midlayer.self_attn
+        shape = (batch, attn.num_kv_heads, 0, attn.head_dim)
+        dtype = head.fc.weight.dtype
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def run(self, head: Eagle3Head, embeds, hidden, valid) -> torch.Tensor:
+        """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
+        [B, t, H]."""
+        t = valid.shape[1]
+        steps = valid.long()
+        positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
+        q, k, v, residual = head.project(embeds, hidden, positions)
+        self.keys = torch.cat([self.keys, k], dim=2)
+        self.values = torch.cat([self.values, v], dim=2)
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        length = self.mask.shape[1]
+        slot = torch.arange(length, device=valid.device)
+        query_slot = torch.arange(length - t, length, device=valid.device)
+        allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]  # [B,t,L]
+        allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # a hole sees itself
+        attended = F.scaled_dot_product_attention(
+            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
+            attn_mask=allowed[:, None])
+        self.next_position = self.next_position + steps.sum(1)
+        return head.finish(attended, residual)
+
+    def crop(self, n: int, valid: bool = True) -> None:
+        """Drop the last n slots of every row (valid: they counted as positions)."""
+        if n <= 0:
+            return
+        if valid:
+            self.next_position = self.next_position - self.mask[:, -n:].sum(1)
+        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+        self.mask = self.mask[:, :-n]
+
+
+@dataclass
+class Eagle3Model:
+    """A loaded head with the target embedding it reads tokens through."""
+
+    head: Eagle3Head
+    embedding: nn.Module
+
+
+class Eagle3Draft:
+    """The engine's draft: the head proposes a chain of k from the target's features of the
+    last verification, keeping its own KV cache of the verified tokens."""
+
+    uses_target_hidden = True
+
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
+        self.head, self.embed, self.name = head, embedding, name
+
+    def _features(self, target_hidden) -> torch.Tensor:
+        return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
+            self.head.fc.weight.dtype))
+
+    def _embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens).to(self.head.fc.weight.dtype)
+
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
+        batch = input_ids.shape[0]
+        self.cache = HeadCache(batch, self.head, input_ids.device)
+        following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
+        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+                             attention_mask.bool())
+        self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
+        self.chain = 0
+
+    def propose(self, k, sampling, history):
+        tokens, probs, hidden = [], [], self.hidden
+        for i in range(k):
+            logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
+            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            token = torch.multinomial(q, 1)[:, 0]  # [B] target ids
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                hidden = self.cache.run(self.head, self._embeds(token[:, None]), hidden[:, None],
+                                        torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
+        self.chain = k - 1  # slots to drop once the target has verified
+        self.tokens = torch.stack(tokens, 1)  # [B, k]
+        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token, target_hidden=None):
+        """Replace the chain's slots by the verified tokens' slots, made from the target's
+        features: slot i of the chunk [pending, d_1..d_k] reads d_{i+1} (i < n) or next_token
+        (i = n); slots past n are holes."""
+        self.cache.crop(self.chain)
+        batch, k = self.tokens.shape
+        rows = torch.arange(batch, device=next_token.device)
+        following = torch.cat([self.tokens, next_token[:, None]], dim=1)  # [B, k+1]
+        following[rows, num_accepted] = next_token
+        valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
+        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+                             valid)
+        self.hidden = out[rows, num_accepted]  # [B, H]
+        self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

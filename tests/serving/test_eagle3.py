@@ -1,0 +1,256 @@
+"""EAGLE-3 heads on tiny random models: vocabulary maps, feature capture, the training-time test
+against the serving cache, training, save/load, and lossless decoding in the engine."""
+
+import pytest
+import torch
+
+from recipe import ConfigError
+from serving.eagle3 import (
+    IGNORE,
+    Eagle3Draft,
+    Eagle3Head,
+    HeadCache,
+    check_aux_layers,
+    check_vocab_maps,
+    default_aux_layers,
+    draft_index,
+    most_frequent_ids,
+    target_ids,
+    unroll,
+    vocab_maps,
+)
+from serving.engine import DecodeSettings, generate
+from train.data import Example, collate
+from train.features import target_hidden
+from train.models import Eagle3ForTraining
+
+VOCAB, EOS, LAYERS, AUX = 256, 2, 4, [1, 2, 3]
+
+
+def _tiny(seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, eos_token_id=EOS, pad_token_id=0,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _tiny(0)
+
+
+def _head(target, draft_size=200, seed=1):
+    torch.manual_seed(seed)
+    counts = torch.randint(0, 50, (VOCAB,))
+    head = Eagle3Head.from_target(target, AUX, most_frequent_ids(counts, draft_size))
+    with torch.no_grad():  # a random head, not the target's own rows: a draft that errs
+        head.lm_head.weight.normal_(0, 0.3)
+    return head.eval()
+
+
+def test_draft_vocabulary_round_trip_for_every_id():
+    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(0))
+    ids = most_frequent_ids(counts, 100)
+    assert torch.equal(ids, ids.sort().values) and len(ids.unique()) == 100
+    assert counts[ids].min() >= counts[~torch.isin(torch.arange(VOCAB), ids)].max()
+    d2t, t2d = vocab_maps(ids, VOCAB)
+    check_vocab_maps(d2t, t2d)
+    every = torch.arange(100)
+    assert torch.equal(target_ids(every, d2t), ids)  # draft id -> target id, every id
+    index = draft_index(d2t, VOCAB)
+    assert torch.equal(index[ids], every)  # and back
+    assert (index[~t2d] == IGNORE).all() and t2d.sum() == 100
+
+
+def test_most_frequent_ids_breaks_ties_by_the_lower_id_and_checks_the_size():
+    counts = torch.tensor([5, 1, 5, 1, 9])
+    assert most_frequent_ids(counts, 3).tolist() == [0, 2, 4]
+    with pytest.raises(ConfigError, match="draft_vocab_size=6 must be in"):
+        most_frequent_ids(counts, 6)
+
+
+@pytest.mark.parametrize("corrupt", ["shift", "swap"])
+def test_a_d2t_that_does_not_match_t2d_is_refused(corrupt):
+    d2t, t2d = vocab_maps(torch.tensor([1, 4, 7, 9]), 12)
+    bad = d2t.clone()
+    if corrupt == "shift":
+        bad[2] += 1
+    else:  # same set of target ids, two draft ids exchanged
+        bad[1], bad[2] = d2t[2] + 1, d2t[1] - 1
+    with pytest.raises(ConfigError, match="does not map onto"):
+        check_vocab_maps(bad, t2d)
+
+
+def test_aux_layers_are_checked_against_the_target():
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert check_aux_layers([2, 3, 3], 6) == [2, 3, 3]  # vLLM's default for 6 layers
+    with pytest.raises(ConfigError, match=r"must lie in \[0, 3\]"):
+        check_aux_layers([1, 2, 4], 4)
+    with pytest.raises(ConfigError, match="three ids"):
+        check_aux_layers([3, 1, 2], 4)
+
+
+def test_feature_capture_reads_the_inputs_of_the_named_decoder_layers(target):
+    inputs = {}
+    hooks = [layer.register_forward_pre_hook(
+        lambda module, args, kwargs, i=i: inputs.__setitem__(i, kwargs.get(
+            "hidden_states", args[0] if args else None)), with_kwargs=True)
+        for i, layer in enumerate(target.model.layers)]
+    batch = collate([Example("a", list(range(3, 20)), [0] * 8 + [1] * 9)], 0, 64)
+    out = target_hidden(target, batch, AUX)
+    for hook in hooks:
+        hook.remove()
+    H = target.config.hidden_size
+    for n, layer in enumerate(AUX):
+        assert torch.allclose(out.aux[..., n * H:(n + 1) * H], inputs[layer])
+    last_layer = target.model.layers[-1]
+    positions = torch.arange(17)[None]
+    layer_out = last_layer(inputs[LAYERS - 1], attention_mask=None, position_ids=positions,
+                           position_embeddings=target.model.rotary_emb(inputs[LAYERS - 1],
+                                                                       positions))
+    layer_out = layer_out[0] if isinstance(layer_out, tuple) else layer_out
+    manual_last = target.model.norm(layer_out)  # the post-norm output of the last layer
+    assert torch.allclose(out.last, manual_last, atol=1e-5)
+    assert torch.equal(out.embeds, target.model.embed_tokens(batch.input_ids))
+
+
+def test_training_time_test_matches_the_serving_cache(target):
+    """Step j of the unroll at index p is what the head computes in serving for draft token j+1
+    after the verified prefix x_0..x_{p+1}, when the chain so far is the true continuation."""
+    head = _head(target)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=g)
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([hidden[i] for i in AUX], -1)
+        embeds = target.model.embed_tokens(ids)
+        steps = unroll(head, embeds, aux, torch.ones_like(ids), 4)
+        for p in (5, 12):
+            cache = HeadCache(1, head, "cpu")
+            out = cache.run(head, embeds[:, 1:p + 2], head.fc(aux[:, :p + 1]),
+                            torch.ones(1, p + 1, dtype=torch.bool))
+            h = out[:, -1:]
+            assert torch.allclose(h, steps[0][:, p:p + 1], atol=1e-5)
+            for j in range(1, 4):
+                h = cache.run(head, embeds[:, p + 1 + j:p + 2 + j], h,
+                              torch.ones(1, 1, dtype=torch.bool))
+                assert torch.allclose(h, steps[j][:, p:p + 1], atol=1e-5), (p, j)
+
+
+def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
+    from recipe import TrainConfig
+    from train.loop import slot_loss
+
+    head = _head(target).train()
+    model = Eagle3ForTraining(head, steps=3, decay=0.8)
+    g = torch.Generator().manual_seed(4)
+    examples = [Example(str(i), torch.randint(3, VOCAB, (32,), generator=g).tolist(),
+                        [0] * 8 + [1] * 24) for i in range(4)]
+    batch = collate(examples, 0, 64)
+    features = target_hidden(target, batch, AUX)
+    p_logits = target.lm_head(features.last[batch.pred_mask]).detach()
+    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=3, ttt_steps=3)
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        slots = model.slots(batch.pred_mask)
+        logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, features)
+        loss = slot_loss(cfg, model, slots, logits, p_logits, batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0], losses[::5]
+    assert [s.position for s in slots] == [1, 2, 3]
+
+
+def test_restrict_ignores_labels_outside_the_draft_vocabulary(target):
+    head = _head(target, draft_size=10)
+    model = Eagle3ForTraining(head, steps=2, decay=1.0)
+    inside = head.draft_to_target[3]
+    outside = int(torch.nonzero(~head.t2d)[0])
+    p, labels = model.restrict(torch.randn(2, VOCAB), torch.tensor([int(inside), outside]))
+    assert p.shape == (2, 10) and labels.tolist() == [3, IGNORE]
+    full = model.expand(torch.zeros(1, 10))
+    assert torch.isinf(full).sum() == VOCAB - 10 and (full[0, head.draft_to_target] == 0).all()
+
+
+def test_save_and_load_round_trip_and_a_corrupted_d2t_is_refused(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = _head(target)
+    head.save_pretrained(tmp_path / "head")
+    loaded = Eagle3Head.from_pretrained(tmp_path / "head")
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    assert loaded.aux_layers == AUX
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    assert "embed_tokens.weight" not in state and state["lm_head.weight"].shape == (200, 64)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    state["d2t"] = state["d2t"].roll(1)
+    save_file(state, str(tmp_path / "head" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="does not map onto"):
+        Eagle3Head.from_pretrained(tmp_path / "head")
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return prompts, ids, mask
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k):
+    _, ids, mask = _prompts([5, 11, 8])
+    settings = DecodeSettings(max_new_tokens=24, temperature=0.0, k=k)
+    plain = generate(target, ids, mask, settings, {EOS})
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    spec = generate(target, ids, mask, settings, {EOS}, draft)
+    assert spec.tokens == plain.tokens
+    assert sum(s.steps for s in spec.stats) < sum(len(t) for t in plain.tokens)  # it drafts
+
+
+def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target):
+    """After the engine's accept steps (holes, crops), the head's state at the last verified token
+    is what a fresh start on the whole history computes."""
+    prompts, ids, mask = _prompts([6, 9])
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    out = generate(target, ids, mask, DecodeSettings(max_new_tokens=12, k=3), set(), draft)
+    for row in range(2):
+        history = prompts[row] + out.tokens[row]
+        context = torch.tensor([history[:-1]])
+        fresh = Eagle3Draft(draft.head, target.get_input_embeddings())
+        with torch.no_grad():
+            hidden = target(context, output_hidden_states=True).hidden_states
+            fresh.start(context, torch.ones_like(context), torch.tensor([history[-1]]), hidden)
+        assert torch.allclose(fresh.hidden[0], draft.hidden[row], atol=1e-5)
+
+
+def test_sampling_with_a_head_keeps_the_target_distribution(target):
+    """k=1 at temperature 1: the second emitted token (drafted, then verified) is distributed as
+    the target's marginal sum_f p(f) p(. | f) over the first token f."""
+    _, ids, mask = _prompts([7])
+    rows = 6000
+    settings = DecodeSettings(max_new_tokens=2, temperature=1.0, k=1)
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    out = generate(target, ids.expand(rows, -1), mask.expand(rows, -1), settings, set(), draft,
+                   torch.Generator().manual_seed(0))
+    assert sum(s.accepted for s in out.stats) > 0  # the draft's tokens do get through
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)  # [V]
+        every_first = torch.cat([ids.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+        p2 = torch.softmax(target(every_first).logits[:, -1], -1)  # [V, V]
+    marginal = p1 @ p2
+    second = torch.tensor([t[1] for t in out.tokens])
+    freq = torch.bincount(second, minlength=VOCAB).float() / rows
+    assert 0.5 * (freq - marginal).abs().sum() < 0.08
