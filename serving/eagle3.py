@@ -176,6 +176,7 @@ class Eagle3Head(nn.Module):
 
         super().__init__()
         self.config, self.aux_layers = config, list(aux_layers)
+        self.target_layers: int | None = None  # the target's decoder layer count, when known
         hidden = config.hidden_size
         self.vocab_size, self.draft_vocab_size = config.vocab_size, len(draft_ids)
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
@@ -196,6 +197,7 @@ class Eagle3Head(nn.Module):
             config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
                    draft_ids)
+        head.target_layers = target.config.num_hidden_layers
         std = config.initializer_range
         with torch.no_grad():
             for module in head.modules():
@@ -250,21 +252,40 @@ class Eagle3Head(nn.Module):
         return attn.num_heads // attn.num_kv_heads
 
     # saving in vLLM's layout
-    def config_dict(self) -> dict:
+    def layer_config(self) -> dict:
+        """The decoder layer's Llama config, as vLLM reads it."""
         config = self.config.to_dict()
-        for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
+        for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path",
+                    "architectures"):
             config.pop(key, None)
-        config.update({
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "num_hidden_layers": 1, "draft_vocab_size": self.draft_vocab_size,
-            "tie_word_embeddings": False, "norm_before_residual": False,
-            "target_hidden_size": self.config.hidden_size,
-            "eagle_config": {"use_aux_hidden_state": True,
-                             "eagle_aux_hidden_state_layer_ids": self.aux_layers},
-            "draftsmith": {"aux_layers": self.aux_layers,
-                           "aux_layers_meaning": "HF output_hidden_states indices (the input of "
-                                                 "decoder layer k), vLLM's convention"}})
+        config.update({"model_type": "llama", "num_hidden_layers": 1,
+                       "tie_word_embeddings": False})
         return config
+
+    def eagle3_fields(self) -> dict:
+        """What vLLM's EAGLE-3 loader reads besides the Llama fields. Aux layer ids are written
+        only when they differ from the default: vLLM reads them as written, SGLang shifts them
+        by one, and both agree on the default."""
+        fields = {"draft_vocab_size": self.draft_vocab_size, "norm_before_residual": False,
+                  "target_hidden_size": self.config.hidden_size}
+        if self.target_layers and self.aux_layers != default_aux_layers(self.target_layers):
+            fields["eagle_aux_hidden_state_layer_ids"] = self.aux_layers
+        return fields
+
+    def config_dict(self) -> dict:
+        """config.json in vLLM's native layout (LlamaForCausalLMEagle3)."""
+        fields = self.eagle3_fields()
+        eagle = {"use_aux_hidden_state": True}
+        if "eagle_aux_hidden_state_layer_ids" in fields:
+            eagle["eagle_aux_hidden_state_layer_ids"] = fields.pop(
+                "eagle_aux_hidden_state_layer_ids")
+        return {**self.layer_config(), "architectures": ["LlamaForCausalLMEagle3"], **fields,
+                "eagle_config": eagle, "draftsmith": self.provenance()}
+
+    def provenance(self) -> dict:
+        return {"aux_layers": self.aux_layers, "target_num_hidden_layers": self.target_layers,
+                "aux_layers_meaning": "HF output_hidden_states indices (the input of decoder "
+                                      "layer k), vLLM's convention"}
 
     def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
         from safetensors.torch import save_file
@@ -291,18 +312,19 @@ class Eagle3Head(nn.Module):
         if raw.get("norm_before_residual", False):
             raise ConfigError(f"{folder}: norm_before_residual=true heads are not supported by "
                               "draftsmith's engine (vLLM's default is false).")
-        aux = (raw.get("draftsmith", {}).get("aux_layers")
-               or raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"))
+        ours = raw.get("draftsmith", {})
+        aux = (ours.get("aux_layers") or raw.get("eagle_aux_hidden_state_layer_ids")
+               or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
         state = load_file(str(folder / WEIGHTS_NAME))
         for name in ("d2t", "t2d"):
             if name not in state:
                 raise ConfigError(f"{folder / WEIGHTS_NAME} holds no {name}: without it draft "
                                   "ids cannot be read as target ids.")
         check_vocab_maps(state["d2t"], state["t2d"], str(folder))
-        config = LlamaConfig(**{k: v for k, v in raw.items()
-                                if k not in ("architectures", "model_type", "draftsmith")})
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in EAGLE3_KEYS})
         draft_ids = target_ids(torch.arange(len(state["d2t"])), state["d2t"])
         head = cls(config, aux or [], draft_ids.sort().values)
+        head.target_layers = ours.get("target_num_hidden_layers")
         head.d2t, head.t2d = state["d2t"].long(), state["t2d"].bool()
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.startswith("rotary.")]
@@ -310,6 +332,10 @@ class Eagle3Head(nn.Module):
             raise ConfigError(f"{folder / WEIGHTS_NAME} does not match an EAGLE-3 head: missing "
                               f"{missing[:4]}, unexpected {unexpected[:4]}.")
         return head.to(device=device, dtype=dtype).eval()
+
+
+EAGLE3_KEYS = {"architectures", "model_type", "draftsmith", "eagle_config", "draft_vocab_size",
+               "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"}
 
 
 def is_eagle3_config(config: dict) -> bool:
@@ -329,9 +355,14 @@ def check_fits_target(head: Eagle3Head, target) -> None:
                           f"{head.vocab_size}-token vocabulary, but the target has hidden size "
                           f"{weight.shape[1]} and {weight.shape[0]} tokens: a head only works on "
                           "the target it was trained on.")
+    layers = target.config.num_hidden_layers
+    if head.target_layers not in (None, layers):
+        raise ConfigError(f"the EAGLE-3 head was trained on a {head.target_layers}-layer target; "
+                          f"this target has {layers} layers: a head only works on its target.")
+    head.target_layers = layers
     if not head.aux_layers:
-        head.aux_layers = default_aux_layers(target.config.num_hidden_layers)
-    check_aux_layers(head.aux_layers, target.config.num_hidden_layers)
+        head.aux_layers = default_aux_layers(layers)
+    check_aux_layers(head.aux_layers, layers)
 
 
 # --- training-time test ------------------------------------------------------------------

@@ -7,6 +7,9 @@ Reads <run>/train/draft (or --draft FOLDER) and writes <run>/export/<kind>/:
     `lm_heads.{h}`), served with `{"method": "medusa", "num_speculative_tokens": k}`;
   - an independent draft LM: the HF folder, for vLLM `draft_model` and transformers'
     `assistant_model`;
+  - an EAGLE-3 head: vLLM's native layout (`LlamaForCausalLMEagle3`, `midlayer.*`, `d2t`, `t2d`,
+    `norm_before_residual: false`), or with `--format speculators` the speculators layout
+    (`speculators_model_type: eagle3`, `layers.0.*`); the d2t is checked against t2d first;
 plus the resolved config (config.yaml), the training figures, `vllm_speculative_config.json`
 with the method always written out (without it vLLM guesses from the folder name), the measured
 eval results when <run>/eval measured this draft, and a model card (README.md) generated from
@@ -30,7 +33,7 @@ from recipe import Config, ConfigError
 class Export:
     folder: Path
     method: str
-    """vLLM's speculative method: 'medusa' or 'draft_model'."""
+    """vLLM's speculative method: 'medusa', 'eagle3' or 'draft_model'."""
     num_speculative_tokens: int
     target_path: str
     vllm_command: str
@@ -67,8 +70,11 @@ def _target_shape(target_path: str) -> tuple[int, int]:
 
 
 def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
-                 out: Path | None = None) -> Export:
-    """Check the draft against the target and k, then write the export folder atomically."""
+                 out: Path | None = None, fmt: str = "vllm") -> Export:
+    """Check the draft against the target and k, then write the export folder atomically.
+    fmt: 'vllm' (native layouts) or 'speculators' (EAGLE-3 heads only)."""
+    from serving.eagle3 import Eagle3Head, is_eagle3_config
+
     from assets.target import resolve_target
 
     draft_folder = Path(draft_folder or cfg.run.output_path / "train" / "draft")
@@ -81,7 +87,21 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     hidden, vocab = _target_shape(target.path)
     if k < 1:
         raise ConfigError(f"--k {k}: the number of speculative tokens must be >= 1.")
-    if draft_config.get("model_type") == "medusa":
+    if fmt not in ("vllm", "speculators"):
+        raise ConfigError(f"--format {fmt!r}: expected 'vllm' or 'speculators'.")
+    if fmt == "speculators" and not is_eagle3_config(draft_config):
+        raise ConfigError("--format speculators holds EAGLE-3 heads only; export this draft with "
+                          "--format vllm.")
+    head = None
+    if is_eagle3_config(draft_config):
+        method, kind = "eagle3", "eagle3" if fmt == "vllm" else "eagle3-speculators"
+        head = Eagle3Head.from_pretrained(draft_folder)  # refuses a d2t that mismatches t2d
+        if (head.config.hidden_size, head.vocab_size) != (hidden, vocab):
+            raise ConfigError(f"the EAGLE-3 head reads hidden size {head.config.hidden_size} over "
+                              f"{head.vocab_size} tokens; the target {target.name} has {hidden} "
+                              f"and {vocab}: export it with the target it was trained on "
+                              "(model.target).")
+    elif draft_config.get("model_type") == "medusa":
         method, kind = "medusa", "medusa"
         heads = draft_config["num_heads"]
         if k > heads:
@@ -109,6 +129,11 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
         # heads trained with the target's head frozen share it: written once, as vLLM's
         # original_lm_head, so the folder is 3 lm_heads smaller and loads the same heads
         MedusaHeads.from_pretrained(draft_folder).save_pretrained(tmp)
+    elif head is not None and fmt == "vllm":
+        head.save_pretrained(tmp)
+    elif head is not None:
+        (tmp / "model.safetensors").unlink()
+        save_speculators(head, tmp, k, target_hub_id(cfg) or target.path)
     cfg.save(tmp / "config.yaml")
     speculative = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
     (tmp / "vllm_speculative_config.json").write_text(json.dumps(speculative, indent=2) + "\n")
@@ -126,6 +151,25 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return Export(out, method, k, target.path, command)
+
+
+def save_speculators(head, folder: Path, k: int, verifier: str) -> None:
+    """An EAGLE-3 head in the speculators format (which `vllm serve <folder>` also reads): the
+    layer as `layers.0.*`, the Llama fields under transformer_layer_config, and
+    norm_before_residual written out (it defaults to true there)."""
+    from safetensors.torch import save_file
+
+    state = {k.replace("midlayer.", "layers.0.", 1): v.detach().cpu().contiguous()
+             for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    save_file(state, str(folder / "model.safetensors"))
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "speculators_config": {
+                  "algorithm": "eagle3", "default_proposal_method": "greedy",
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+                  "verifier": {"name_or_path": verifier, "architectures": []}},
+              "transformer_layer_config": head.layer_config(), **head.eagle3_fields(),
+              "draftsmith": head.provenance()}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _eval_of(cfg: Config, draft_folder: Path) -> dict | None:
@@ -152,7 +196,8 @@ def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
     import yaml
 
     base = target_hub_id(cfg) or cfg.model.target
-    kind = {"medusa": "Medusa heads", "draft_model": "an independent draft model"}[method]
+    kind = {"medusa": "Medusa heads", "draft_model": "an independent draft model",
+            "eagle3": "an EAGLE-3 head"}[method]
     lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {method}",
              "- draftsmith", "---", "",
              f"# Draft for {target_name}: {kind}", "",
@@ -211,10 +256,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="speculative tokens per step (default: eval.k)")
     parser.add_argument("--draft", type=Path, help="draft folder (default <run>/train/draft)")
     parser.add_argument("--out", type=Path, help="export folder (default <run>/export/<kind>)")
+    parser.add_argument("--format", choices=["vllm", "speculators"], default="vllm",
+                        help="EAGLE-3 heads: vLLM's native layout or the speculators format")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     try:
-        result = export_draft(cfg, args.k or cfg.eval.k, args.draft, args.out)
+        result = export_draft(cfg, args.k or cfg.eval.k, args.draft, args.out, args.format)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     print(f"[export] {result.folder} (vLLM method {result.method}, k={result.num_speculative_tokens})")

@@ -76,6 +76,21 @@ def run_vllm(request: dict, cache: Path) -> dict:
         return json.loads(result_path.read_text())
 
 
+def check_head_vocabulary(folder: Path) -> None:
+    """Refuse an exported EAGLE-3 head whose d2t does not match its t2d before vLLM serves it
+    (vLLM reads d2t alone and would silently map draft tokens to other words)."""
+    from safetensors import safe_open
+
+    from serving.eagle3 import check_vocab_maps
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        if not {"d2t", "t2d"} <= names:
+            raise ConfigError(f"{folder / 'model.safetensors'} lacks d2t or t2d: re-export the "
+                              "head (python -m serving.export).")
+        check_vocab_maps(f.get_tensor("d2t"), f.get_tensor("t2d"), str(folder))
+
+
 def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
              enforce_eager: bool = False) -> Validation:
     from assets.target import load_target, load_tokenizer, resolve_target
@@ -90,6 +105,8 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
     k = speculative["num_speculative_tokens"]
+    if speculative["method"] == "eagle3":
+        check_head_vocabulary(folder)
     trained = cfg.run.output_path / "train" / "draft"
     if not (trained / "config.json").is_file():
         raise ConfigError(f"{trained} holds no trained draft to compare vLLM with: run the train "

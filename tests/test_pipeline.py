@@ -16,6 +16,7 @@ ROOT = Path(__file__).parents[1]
     ("smollm2-135m-independent", "layer-truncated:1",
      {"target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup"}),
     ("smollm2-135m-medusa", "medusa:2", {"target", "hf_generate", "speculative", "prompt_lookup"}),
+    ("smollm2-135m-eagle3", "eagle3", {"target", "hf_generate", "speculative", "prompt_lookup"}),
 ])
 def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(6))
@@ -28,7 +29,9 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
          "eval.num_prompts=2",
          "eval.max_new_tokens=8", "data.held_out_fraction=0.34", f"train.draft={draft}",
          "train.max_steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
-         "train.eval_k=2", "eval.k=2"],
+         "train.eval_k=2", "eval.k=2",
+         *(["train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=512", "train.ttt_steps=2"]
+           if draft == "eagle3" else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"

@@ -106,3 +106,103 @@ def test_the_model_card_carries_the_measured_eval_of_this_draft(tiny_target, tmp
     assert ((result.folder / "eval_results.json").read_text()
             == (tmp_path / "run" / "eval" / "results.json").read_text())
     assert card.startswith("---\nbase_model: ") and "train.draft=medusa" not in card
+
+
+def _eagle3(tiny_target, folder, aux=(0, 1, 1), vocab=300):
+    from transformers import AutoModelForCausalLM
+
+    from serving.eagle3 import Eagle3Head
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    ids = torch.arange(0, 3 * vocab, 3)  # every third target token
+    head = Eagle3Head.from_target(target, list(aux), ids)
+    head.save_pretrained(folder)
+    return head
+
+
+def test_eagle3_export_writes_vllm_native_layout(tiny_target, tmp_path):
+    from safetensors.torch import load_file
+
+    from serving.eagle3 import Eagle3Head
+
+    head = _eagle3(tiny_target, tmp_path / "run" / "train" / "draft")
+    result = export_draft(_cfg(tiny_target, tmp_path), k=3)
+    assert result.folder == tmp_path / "run" / "export" / "eagle3" and result.method == "eagle3"
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 300
+    assert config["tie_word_embeddings"] is False and config["hidden_size"] == 64
+    # non-default aux layers for a 2-layer target: written where vLLM reads them
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1]
+    weights = load_file(str(result.folder / "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 192)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert not any(name.startswith(("model.", "rotary", "embed_tokens")) for name in weights)
+    speculative = json.loads((result.folder / "vllm_speculative_config.json").read_text())
+    assert speculative["method"] == "eagle3" and speculative["num_speculative_tokens"] == 3
+    reloaded = Eagle3Head.from_pretrained(result.folder)
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, reloaded.state_dict()[name]), name
+
+
+def test_default_aux_layers_are_not_written(smollm2_tokenizer, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from serving.eagle3 import Eagle3Head
+
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=8, num_attention_heads=2,
+                                          num_key_value_heads=1))
+    head = Eagle3Head.from_target(target, [2, 4, 5], torch.arange(100))
+    config = head.config_dict()
+    assert "eagle_aux_hidden_state_layer_ids" not in json.dumps(
+        {k: v for k, v in config.items() if k != "draftsmith"})
+    assert config["draftsmith"]["aux_layers"] == [2, 4, 5]
+
+
+def test_eagle3_speculators_format(tiny_target, tmp_path):
+    from safetensors.torch import load_file
+
+    _eagle3(tiny_target, tmp_path / "run" / "train" / "draft")
+    result = export_draft(_cfg(tiny_target, tmp_path), k=2, fmt="speculators")
+    assert result.folder.name == "eagle3-speculators"
+    config = json.loads((result.folder / "config.json").read_text())
+    assert "model_type" not in config and config["speculators_model_type"] == "eagle3"
+    assert config["norm_before_residual"] is False
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    weights = load_file(str(result.folder / "model.safetensors"))
+    assert "layers.0.self_attn.q_proj.weight" in weights
+    assert not any(name.startswith("midlayer.") for name in weights)
+    try:
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    except ImportError:
+        return
+    parsed = SpeculatorsConfig.extract_transformers_pre_trained_config(config)
+    assert parsed["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert parsed["norm_before_residual"] is False and parsed["draft_vocab_size"] == 300
+    assert SpeculatorsConfig.extract_vllm_speculative_config(config) == {
+        "method": "eagle3", "num_speculative_tokens": 2}
+
+
+def test_a_head_whose_d2t_mismatches_t2d_is_neither_exported_nor_validated(tiny_target,
+                                                                            tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from serving.validate import validate
+
+    draft = tmp_path / "run" / "train" / "draft"
+    _eagle3(tiny_target, draft)
+    cfg = _cfg(tiny_target, tmp_path)
+    exported = export_draft(cfg, k=2)
+    for folder in (draft, exported.folder):
+        weights = load_file(str(folder / "model.safetensors"))
+        weights["d2t"][5] += 1  # one draft token now means another word
+        save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError, match="does not map onto"):
+        validate(cfg, exported.folder)  # refused before vLLM starts
+    with pytest.raises(ConfigError, match="does not map onto"):
+        export_draft(cfg, k=2, out=tmp_path / "again")
+    assert not (tmp_path / "again").exists()

@@ -9,6 +9,7 @@ from distill.chat import render
 from distill.generate import end_of_turn_ids, left_pad
 from recipe import ModelConfig
 from serving.drafts import ModelDraft, PromptLookupDraft
+from serving.eagle3 import Eagle3Draft, Eagle3Head, default_aux_layers
 from serving.engine import DecodeSettings, generate
 from serving.medusa import MedusaDraft, MedusaHeads
 from train.draft_init import layer_truncated
@@ -41,12 +42,20 @@ def _medusa(target):
     return MedusaDraft(heads.eval())
 
 
-@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup", "medusa"])
+def _eagle3(target):
+    """An untrained head over half the vocabulary, on vLLM's default aux layers [2, 15, 27]."""
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, default_aux_layers(30), torch.arange(0, 49152, 2))
+    return Eagle3Draft(head.eval(), target.get_input_embeddings())
+
+
+@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup", "medusa", "eagle3"])
 def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_kind):
     target, prompts, eos, reference = setup
     draft = {"layer-truncated": lambda: ModelDraft(layer_truncated(target, 4)),
              "prompt lookup": lambda: PromptLookupDraft(target.config.vocab_size),
-             "medusa": lambda: _medusa(target)}[draft_kind]()
+             "medusa": lambda: _medusa(target),
+             "eagle3": lambda: _eagle3(target)}[draft_kind]()
     outputs = []
     for b in range(0, len(prompts), 5):  # batches of 5, left-padded
         ids, mask = left_pad(prompts[b : b + 5], 2, torch.device("cpu"))

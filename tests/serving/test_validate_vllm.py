@@ -57,3 +57,80 @@ def test_a_corrupted_export_fails_the_validation(run, tmp_path):
     result = validate(cfg, broken, enforce_eager=True)
     assert not result.ok and result.tau_vllm < result.tau_ours
     assert result.identical_vllm_texts == 2  # lossless all the same: only the speed suffers
+
+
+@pytest.fixture(scope="module")
+def eagle_run(tmp_path_factory, smollm2_tokenizer):
+    """A run whose EAGLE-3 head (vLLM's default aux layers, 2,048-token draft vocabulary) was
+    trained briefly, through the training-time test, on the target's own greedy answers to the
+    two eval prompts: a head that is often right there. Exported with k=3."""
+    from assets.target import load_target, resolve_target
+    from distill.generate import end_of_turn_ids
+    from eval.speculative import load_eval_prompts
+    from recipe import ModelConfig, TrainConfig
+    from serving.eagle3 import Eagle3Head, default_aux_layers, most_frequent_ids
+    from serving.engine import DecodeSettings, generate
+    from train.data import Example, collate
+    from train.features import target_hidden
+    from train.loop import slot_loss, target_logits
+    from train.models import Eagle3ForTraining
+
+    out = tmp_path_factory.mktemp("validate-eagle3") / "run"
+    cfg = load_config("configs/smollm2-135m-eagle3.yaml", [
+        f"run.output_dir={out}", "eval.num_prompts=2", "eval.max_new_tokens=24"])
+    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
+    prompts, _ = load_eval_prompts(cfg, smollm2_tokenizer, 8192)
+    eos = end_of_turn_ids(target, smollm2_tokenizer)
+    examples = []
+    for i, p in enumerate(prompts):
+        answer = generate(target, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                          DecodeSettings(max_new_tokens=24), eos).tokens[0]
+        examples.append(Example(str(i), p + answer, [0] * len(p) + [1] * len(answer)))
+    batch = collate(examples, smollm2_tokenizer.pad_token_id, 1024)
+    aux = default_aux_layers(target.config.num_hidden_layers)
+    features = target_hidden(target, batch, aux)
+    p_logits = target_logits(target, batch, features)
+    counts = torch.bincount(batch.input_ids.flatten(), minlength=target.config.vocab_size)
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, aux, most_frequent_ids(counts, 2048))
+    model = Eagle3ForTraining(head, steps=3, decay=0.8)
+    tcfg = TrainConfig(draft="eagle3", loss="fkl", ttt_steps=3, eval_k=3)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(60):
+        slots = model.slots(batch.pred_mask)
+        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
+                                                   batch.pred_mask, features),
+                         p_logits, batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    head.eval().save_pretrained(out / "train" / "draft")
+    return cfg, export_draft(cfg, k=3)
+
+
+def test_vllm_accepts_what_our_engine_accepts_for_an_eagle3_head(eagle_run):
+    cfg, exported = eagle_run
+    result = validate(cfg, exported.folder, enforce_eager=True)
+    assert result.method == "eagle3" and result.k == 3
+    assert result.tau_ours > 1.5, result.tau_ours
+    assert result.ok, (result.tau_ours, result.tau_vllm, result.alpha_ours, result.alpha_vllm)
+    assert result.identical_vllm_texts == 2 and result.identical_to_our_engine == 2
+
+
+def test_a_d2t_from_another_vocabulary_fails_the_validation(eagle_run, tmp_path):
+    """d2t and t2d shifted together by one token: consistent with each other, so only serving
+    shows that every draft token now means its neighbour."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg, exported = eagle_run
+    broken = tmp_path / "broken"
+    shutil.copytree(exported.folder, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["d2t"] = weights["d2t"] + 1
+    weights["t2d"] = weights["t2d"].roll(1)
+    save_file(weights, str(broken / "model.safetensors"))
+    result = validate(cfg, broken, enforce_eager=True)
+    assert not result.ok and result.tau_vllm < result.tau_ours
+    assert result.identical_vllm_texts == 2  # lossless all the same
