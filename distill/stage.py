@@ -13,15 +13,20 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from assets.prompts import Conversation, is_held_out, select_prompts
-from assets.target import load_target, load_tokenizer, resolve_target
+from assets.target import load_tokenizer, resolve_target
 from distill.chat import Message, encode, render, tokenize_conversation
-from distill.generate import end_of_turn_ids, generate_replies, topk_logprobs
-from distill.shards import (ShardWriter, identity_differences, read_columns, read_manifest,
-                            shard_files, write_manifest)
+from distill.generate import make_generator, topk_logprobs
+from distill.shards import (
+    ShardWriter,
+    identity_differences,
+    read_columns,
+    read_manifest,
+    shard_files,
+    write_manifest,
+)
 from recipe import Config, ConfigError
 
 
@@ -92,7 +97,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
 
     generated_now = 0
     if mine:
-        model = load_target(target, cfg.model.dtype, accelerator.device)
+        generator = make_generator(target, tokenizer, cfg, accelerator.device)
         writer = ShardWriter(data_dir, accelerator.process_index, cfg.data.shard_size,
                              cfg.generation.top_k_logprobs)
         bar = tqdm(total=len(mine), unit="conv", desc="distill",
@@ -101,8 +106,8 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         batch_size = cfg.generation.batch_size
         for b in range(0, len(mine), batch_size):
             batch = mine[b : b + batch_size]
-            torch.manual_seed(_batch_seed(cfg.run.seed, batch[0].conversation.id))
-            for row in _generate_batch(model, tokenizer, batch, cfg, limit):
+            seed = _batch_seed(cfg.run.seed, batch[0].conversation.id)
+            for row in _generate_batch(generator, tokenizer, batch, cfg, limit, seed):
                 writer.add(row)
                 tokens += row["generated_tokens"]
             generated_now += len(batch)
@@ -112,7 +117,8 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         bar.close()
         elapsed = time.perf_counter() - start
         log(f"[distill] generated {tokens} tokens for {len(mine)} conversations in "
-            f"{elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s, process {accelerator.process_index})")
+            f"{elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s, {cfg.generation.backend} backend, "
+            f"process {accelerator.process_index})")
 
     accelerator.wait_for_everyone()
     manifest = _close_manifest(out, identity, jobs, skipped, source_stats, accelerator)
@@ -125,7 +131,8 @@ def _identity(cfg: Config, target, tokenizer) -> dict:
     resolved = cfg.to_dict()
     data, generation = resolved["data"], resolved["generation"]
     data.pop("shard_size")
-    generation.pop("batch_size")
+    for key in ("batch_size", "backend", "vllm_enforce_eager"):  # how, not what, is generated
+        generation.pop(key)
     template = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return {"target": {"name": target.name, "revision": target.revision,
                        "fingerprint": target.fingerprint, "dtype": cfg.model.dtype,
@@ -189,9 +196,10 @@ def _truncate_last_user(tokenizer, messages: list[Message], limit: int):
     return messages, None
 
 
-def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int) -> list[dict]:
+def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config, limit: int,
+                    seed: int) -> list[dict]:
     """Generate every conversation of the batch turn by turn; return the output rows."""
-    eos_ids = end_of_turn_ids(model, tokenizer)
+    eos_ids = generator.eos_ids
     messages = [list(job.first_messages) for job in batch]
     finished: list[list[bool]] = [[] for _ in batch]
     generated = [0] * len(batch)
@@ -215,8 +223,7 @@ def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int)
             rows.append(r)
         if not rows:
             break
-        replies = generate_replies(model, prompts, cfg.generation, eos_ids,
-                                   tokenizer.pad_token_id)
+        replies = generator.replies(prompts, seed + turn)
         for r, reply in zip(rows, replies):
             content_ids = reply.token_ids[:-1] if reply.finished else reply.token_ids
             content = tokenizer.decode(content_ids, skip_special_tokens=False)
@@ -235,8 +242,8 @@ def _generate_batch(model, tokenizer, batch: list[Job], cfg: Config, limit: int)
                "retokenized_replies": retokenized[r],
                "finish_reasons": ["stop" if f else "length" for f in finished[r]]}
         if cfg.generation.top_k_logprobs:
-            ids, logprobs = topk_logprobs(model, tokenized.input_ids, tokenized.loss_mask,
-                                          cfg.generation.top_k_logprobs)
+            ids, logprobs = topk_logprobs(generator.model, tokenized.input_ids,
+                                          tokenized.loss_mask, cfg.generation.top_k_logprobs)
             row["topk_ids"], row["topk_logprobs"] = ids.tolist(), logprobs.tolist()
         out.append(row)
     return out

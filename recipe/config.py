@@ -129,6 +129,11 @@ class GenerationConfig:
     """Conversations generated together, left-padded."""
     top_k_logprobs: int = 0
     """Store the target's top-k log-probabilities at every assistant position (0: none)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Who runs the target in stage 1: transformers' generate ('hf') or vLLM's offline LLM
+    ('vllm', the 'cpu' extra on a machine without GPU). Same files and manifest either way."""
+    vllm_enforce_eager: bool = False
+    """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -73,9 +73,8 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
                  out: Path | None = None, fmt: str = "vllm") -> Export:
     """Check the draft against the target and k, then write the export folder atomically.
     fmt: 'vllm' (native layouts) or 'speculators' (EAGLE-3 heads only)."""
-    from serving.eagle3 import Eagle3Head, is_eagle3_config
-
     from assets.target import resolve_target
+    from serving.eagle3 import Eagle3Head, is_eagle3_config
 
     draft_folder = Path(draft_folder or cfg.run.output_path / "train" / "draft")
     config_path = draft_folder / "config.json"
