@@ -227,3 +227,41 @@ def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
     assert result["tau"] == pytest.approx(cfg.train.eval_k + 1, abs=1e-4)
     assert result["greedy_tau"] == cfg.train.eval_k + 1
     assert result["loss"] == pytest.approx(0.0, abs=1e-5)
+
+
+EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
+          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_an_eagle3_head_learns_the_target(tiny_run, features):
+    cfg = tiny_run(*EAGLE3, f"train.target_features={features}")
+    summary = _train(cfg)
+    losses = _losses(cfg.run.output_path)
+    assert losses[6] < 0.8 * losses[1]
+    assert summary.after["loss"] < summary.before["loss"]
+    assert len(summary.after["alpha"]) == 3
+    head_config = json.loads((summary.draft_dir / "config.json").read_text())
+    assert head_config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert head_config["draft_vocab_size"] == 1024
+    cache = cfg.run.output_path / "features"
+    assert (cache / "manifest.json").is_file() == (features == "offline")
+
+
+def test_cached_features_for_other_layers_are_refused(tiny_run):
+    cfg = tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2",
+                   "train.save_every=2", "train.eval_every=2")
+    _train(cfg)
+    shutil.rmtree(cfg.run.output_path / "train")  # a new head, on the old features folder
+    with pytest.raises(ConfigError, match=r"aux_layers: cached \[0, 1, 1\], now \[0, 0, 1\]"):
+        _train(tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2",
+                        "train.eagle_aux_layers=[0,0,1]"))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.eagle_aux_layers=[0,1,2]", r"must lie in \[0, 1\]"),
+    ("train.draft_vocab_size=49153", "larger than the target's vocabulary"),
+])
+def test_eagle3_bad_input_is_refused(tiny_run, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _train(tiny_run(*EAGLE3, override))
