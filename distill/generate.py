@@ -93,6 +93,9 @@ class HFGenerator:
         torch.manual_seed(seed)
         return generate_replies(self.model, prompts, self.gen, self.eos_ids, self.pad_id)
 
+    def close(self) -> None:
+        pass
+
 
 class VLLMGenerator:
     """The target in vLLM's offline engine (one per process, every batch through it). Its
@@ -141,6 +144,10 @@ class VLLMGenerator:
                 ids.append(int(completion.stop_reason))  # the end-of-turn token, as HF keeps it
             replies.append(Reply(ids, finished))
         return replies
+
+    def close(self) -> None:
+        """Stop vLLM's engine process now rather than at interpreter exit."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def make_generator(target, tokenizer, cfg, device):

@@ -118,6 +118,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
         writer.close()
+        generator.close()
         bar.close()
         elapsed = time.perf_counter() - start
         log(f"[distill] generated {tokens} tokens for {len(mine)} conversations in "
