@@ -20,6 +20,7 @@ from serving.eagle3 import (
     vocab_maps,
 )
 from serving.engine import DecodeSettings, generate
+from tests.serving.test_engine import _prompts
 from train.data import Example, collate
 from train.features import target_hidden
 from train.models import Eagle3ForTraining
@@ -195,18 +196,6 @@ def test_save_and_load_round_trip_and_a_corrupted_d2t_is_refused(target, tmp_pat
     save_file(state, str(tmp_path / "head" / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not map onto"):
         Eagle3Head.from_pretrained(tmp_path / "head")
-
-
-def _prompts(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return prompts, ids, mask
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
