@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipe import ConfigError
+from serving.folders import CONFIG_NAME, WEIGHTS_NAME, save_folder
 from serving.speculative import sampling_probs
 
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 IGNORE = -100  # a label outside the draft vocabulary (F.cross_entropy's ignore_index)
 
 
@@ -288,15 +288,9 @@ class Eagle3Head(nn.Module):
                                       "layer k), vLLM's convention"}
 
     def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         state = self.state_dict() if state_dict is None else state_dict
-        state = {k: v for k, v in state.items() if not k.startswith("rotary.")}
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-                  str(folder / WEIGHTS_NAME))
-        (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+        save_folder(folder, {k: v for k, v in state.items() if not k.startswith("rotary.")},
+                    self.config_dict())
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32,

@@ -156,11 +156,10 @@ def save_speculators(head, folder: Path, k: int, verifier: str) -> None:
     """An EAGLE-3 head in the speculators format (which `vllm serve <folder>` also reads): the
     layer as `layers.0.*`, the Llama fields under transformer_layer_config, and
     norm_before_residual written out (it defaults to true there)."""
-    from safetensors.torch import save_file
+    from serving.folders import save_folder
 
-    state = {k.replace("midlayer.", "layers.0.", 1): v.detach().cpu().contiguous()
-             for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    save_file(state, str(folder / "model.safetensors"))
+    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in head.state_dict().items()
+             if not k.startswith("rotary.")}
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "speculators_config": {
                   "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -168,7 +167,7 @@ def save_speculators(head, folder: Path, k: int, verifier: str) -> None:
                   "verifier": {"name_or_path": verifier, "architectures": []}},
               "transformer_layer_config": head.layer_config(), **head.eagle3_fields(),
               "draftsmith": head.provenance()}
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_folder(folder, state, config)
 
 
 def _eval_of(cfg: Config, draft_folder: Path) -> dict | None:

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from recipe import ConfigError
+from serving.folders import CONFIG_NAME, WEIGHTS_NAME, save_folder
 from serving.speculative import sampling_probs
-
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
 class ResidualBlock(nn.Module):
@@ -106,14 +105,8 @@ class MedusaHeads(nn.Module):
                 "original_lm_head": self.shared_lm_head}
 
     def save_pretrained(self, folder: Path, state_dict: dict | None = None) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        state = state_dict if state_dict is not None else self.state_dict()
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-                  str(folder / WEIGHTS_NAME))
-        (folder / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
+        save_folder(folder, self.state_dict() if state_dict is None else state_dict,
+                    self.config_dict())
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32,
