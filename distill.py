@@ -8,6 +8,11 @@ distributions on that data), eval (tau, alpha_k and speedup of eval.draft agains
 baselines), export (the trained draft as the folder vLLM serves, k = eval.k, with its model
 card). `--stage validate` then checks the export inside real vLLM (several minutes; not part of
 the default run), and `python -m serving.publish` uploads it.
+
+This script and the stage-1 package share a name: `from distill import run_distill` below
+imports the package distill/ (Python finds the folder's __init__.py), not this file. Each stage
+is one call into its own package; the draft kind (drafts/) checks the train section first, so a
+contradiction fails before stage 1 starts.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one stage alone (default: the whole pipeline)")
     args, overrides = parser.parse_known_args(argv)
 
+    from drafts import check_train_config
     from recipe import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, overrides)
+        check_train_config(cfg.train)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +167,26 @@ def load_tokenizer(target: ResolvedTarget):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def end_of_turn_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends an assistant turn for this target (its generation config's eos
+    ids and the tokenizer's)."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def vllm_cpu_environment(cache: str) -> dict:
+    """What vLLM needs to run the target on a machine without GPU (../shared/reference/
+    vllm-cpu.md): every core computing, a bounded KV cache, and its compile caches under ours."""
+    cores = f"0-{(os.cpu_count() or 1) - 1}"
+    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+            "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
 
 
 CPU_GQA_ATTENTION = "sdpa_gqa"

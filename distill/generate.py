@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-from recipe import ConfigError, GenerationConfig
+from assets.target import end_of_turn_ids, load_target, vllm_cpu_environment
+from decoding.engine import left_pad
+from recipe import ConfigError, GenerationConfig, cache_root
 
 
 @dataclass
@@ -18,26 +20,6 @@ class Reply:
     """What the target wrote, end-of-turn token included when it emitted one."""
     finished: bool
     """True when the reply ended with an end-of-turn token, False when max_new_tokens cut it."""
-
-
-def end_of_turn_ids(model, tokenizer) -> set[int]:
-    """Every token id that ends an assistant turn for this target."""
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
-    """input_ids and attention_mask [B, L_max], each prompt right-aligned."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
-        input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        attention_mask[row, width - len(p):] = 1
-    return input_ids.to(device), attention_mask.to(device)
 
 
 @torch.no_grad()
@@ -106,10 +88,7 @@ class VLLMGenerator:
         from transformers import GenerationConfig as HFGenerationConfig
 
         if device.type == "cpu":  # vLLM reads its CPU settings at import
-            from recipe import cache_root
-            from serving.vllm_run import cpu_environment
-
-            os.environ.update(cpu_environment(str(cache_root() / "vllm")))
+            os.environ.update(vllm_cpu_environment(str(cache_root() / "vllm")))
         try:
             from vllm import LLM
         except ImportError:
@@ -153,8 +132,6 @@ class VLLMGenerator:
 def make_generator(target, tokenizer, cfg, device):
     """generation.backend -> the generator stage 1 runs (the transformers model is loaded for
     the 'hf' backend, and for 'vllm' only when top-k log-probs are stored)."""
-    from assets.target import load_target
-
     gen = cfg.generation
     if gen.backend == "hf":
         return HFGenerator(load_target(target, cfg.model.dtype, device), tokenizer, gen)

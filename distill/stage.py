@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from assets.prompts import Conversation, is_held_out, select_prompts
 from assets.target import load_tokenizer, resolve_target
-from distill.chat import Message, encode, render, tokenize_conversation
+from assets.chat import Message, encode, render, tokenize_conversation
 from distill.generate import make_generator, topk_logprobs
 from distill.shards import (
     ShardWriter,

@@ -16,8 +16,9 @@ import torch
 
 from assets.prompts import load_sharegpt
 from assets.target import load_target, load_tokenizer, resolve_target
-from distill.chat import render
-from distill.generate import end_of_turn_ids, generate_replies
+from assets.chat import render
+from assets.target import end_of_turn_ids
+from distill.generate import generate_replies
 from recipe import load_config
 
 

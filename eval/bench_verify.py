@@ -17,9 +17,9 @@ import torch
 
 from assets.prompts import load_mtbench
 from assets.target import load_target, load_tokenizer, resolve_target
-from distill.chat import render
+from assets.chat import render
 from recipe import load_config
-from serving.kv import CachedLM
+from decoding.kv import CachedLM
 
 
 def main() -> None:

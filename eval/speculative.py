@@ -20,14 +20,12 @@ from pathlib import Path
 
 import torch
 
+from assets.chat import render
 from assets.prompts import Conversation, load_file, load_mtbench
-from assets.target import load_target, load_tokenizer, resolve_target
-from distill.chat import render
-from distill.generate import end_of_turn_ids, left_pad
-from recipe import Config, ConfigError, EvalConfig
-from serving.drafts import PromptLookupDraft, engine_draft, is_head, load_draft
-from serving.engine import DecodeSettings, RequestStats, generate
-from serving.medusa import MedusaHeads
+from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+from decoding.engine import RequestStats, generate, left_pad
+from drafts import LoadedDraft, engine_draft, load_draft
+from recipe import Config, ConfigError, DecodeSettings, EvalConfig
 
 
 @dataclass
@@ -101,13 +99,13 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
     return prompts, skipped
 
 
-def check_k_fits(model, name: str, ev: EvalConfig) -> None:
-    """Medusa heads draft at most one token per head: refuse a k they cannot fill, up front."""
+def check_k_fits(draft: LoadedDraft, ev: EvalConfig) -> None:
+    """Refuse, up front, a k the draft cannot fill (Medusa: one token per head)."""
     k = ev.k_max if ev.adaptive_k else ev.k
-    if isinstance(model, MedusaHeads) and k > model.num_heads:
+    if draft.max_k is not None and k > draft.max_k:
         raise ConfigError(f"eval.{'k_max' if ev.adaptive_k else 'k'}={k} draft tokens, but "
-                          f"{name} has {model.num_heads} heads: set it <= {model.num_heads} "
-                          "(or train more heads).")
+                          f"{draft.name} has {draft.max_k} {draft.max_k_unit}: set it <= "
+                          f"{draft.max_k} (or train more {draft.max_k_unit}).")
 
 
 def draft_label(spec: str) -> str:
@@ -123,15 +121,17 @@ def _batches(prompts, size):
         yield prompts[b : b + size]
 
 
-def run_engine(name, target, prompts, settings, eos, pad_id, tokenizer, draft=None,
-               seed=0) -> tuple[MethodResult, list[list[int]]]:
+def run_engine(name, target, prompts, settings: DecodeSettings, eos, pad_id, tokenizer,
+               draft=None, seed=0) -> tuple[MethodResult, list[list[int]]]:
+    """Our engine over the prompts in batches of settings.batch_size, with a draft or without
+    (plain decoding) -> the method's result and each prompt's tokens."""
     generator = torch.Generator().manual_seed(seed)
     device = next(target.parameters()).device
     outputs, stats, draft_s, verify_s, k_used = [], [], 0.0, 0.0, []
     start = time.perf_counter()
     for batch in _batches(prompts, settings.batch_size):
         ids, mask = left_pad(batch, pad_id, device)
-        gen = generate(target, ids, mask, settings.decode, eos, draft, generator,
+        gen = generate(target, ids, mask, settings, eos, draft, generator,
                        decode=tokenizer.decode)
         outputs += gen.tokens
         stats += gen.stats
@@ -144,7 +144,7 @@ def run_engine(name, target, prompts, settings, eos, pad_id, tokenizer, draft=No
         result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
         result.draft_seconds, result.verify_seconds = draft_s, verify_s
         result.draft_failures = sum(s.draft_failures for s in stats)
-        d = settings.decode
+        d = settings
         result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in [1, {d.k_max}]; "
                            f"mean k {sum(k_used) / max(len(k_used), 1):.2f}"
                            if d.adaptive_k else f"fixed k={d.k}")
@@ -155,7 +155,7 @@ def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=No
     """transformers' generate, batch 1, optionally with assisted generation at constant k."""
     from transformers import GenerationConfig
 
-    d = settings.decode
+    d = settings
     sampling = (dict(do_sample=True, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
                 if d.temperature > 0 else dict(do_sample=False))
     extra = {}
@@ -180,22 +180,9 @@ def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=No
                         [tokenizer.decode(o) for o in outputs]), outputs
 
 
-@dataclass
-class _Settings:
-    decode: DecodeSettings
-    batch_size: int
-
-
-def _settings(ev: EvalConfig) -> _Settings:
-    return _Settings(DecodeSettings(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature,
-                                    top_p=ev.top_p, top_k=ev.top_k, k=ev.k,
-                                    adaptive_k=ev.adaptive_k, k_max=ev.k_max,
-                                    stop_strings=tuple(ev.stop_strings)), ev.batch_size)
-
-
 def _load(cfg: Config, device: torch.device):
-    """-> (resolved target, tokenizer, target, draft name, draft model); the draft's vocabulary
-    is checked here, before any generation."""
+    """-> (resolved target, tokenizer, target, the draft or None); the draft is checked against
+    the target and k here, before any generation."""
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     target = load_target(resolved, cfg.model.dtype, device)
@@ -205,27 +192,25 @@ def _load(cfg: Config, device: torch.device):
         if not (Path(spec) / "config.json").is_file():
             raise ConfigError(f"eval.draft=trained, but {spec} holds no trained draft: run the "
                               "train stage first (distill.py --stage train).")
-    draft_name, draft_model = (load_draft(spec, target, tokenizer, target.dtype, device)
-                               if spec else (None, None))
-    if draft_model is not None:
-        check_k_fits(draft_model, draft_name, cfg.eval)
-    return resolved, tokenizer, target, draft_name, draft_model
+    draft = load_draft(spec, target, tokenizer, target.dtype, device) if spec else None
+    if draft is not None:
+        check_k_fits(draft, cfg.eval)
+    return resolved, tokenizer, target, draft
 
 
 def evaluate(cfg: Config, device: torch.device) -> dict:
     """Run every configured method on the eval prompts; write the report; return the results."""
     ev = cfg.eval
-    resolved, tokenizer, target, draft_name, draft_model = _load(cfg, device)
+    resolved, tokenizer, target, draft = _load(cfg, device)
     prompts, skipped = load_eval_prompts(cfg, tokenizer,
                                          getattr(target.config, "max_position_embeddings", None))
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
-    settings = _settings(ev)
-    vocab = target.get_output_embeddings().weight.shape[0]
     others = {}  # eval.compare_drafts, loaded and checked before anything runs
     for spec in ev.compare_drafts:
-        name, model = load_draft(spec, target, tokenizer, target.dtype, device)
-        check_k_fits(model, name, ev)
-        others[f"speculative:{draft_label(spec)}"] = (name, model)
+        other = load_draft(spec, target, tokenizer, target.dtype, device)
+        check_k_fits(other, ev)
+        others[f"speculative:{draft_label(spec)}"] = other
+    lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
 
     # a short warm-up so the first method does not pay one-off costs
     generate(target, *left_pad(prompts[:1], pad, device), DecodeSettings(max_new_tokens=4),
@@ -234,36 +219,39 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
     for method in ev.methods:
         print(f"[eval] {method} on {len(prompts)} prompts ...", flush=True)
         if method == "target":
-            results[method], reference = run_engine(method, target, prompts, settings, eos, pad,
+            results[method], reference = run_engine(method, target, prompts, ev, eos, pad,
                                                     tokenizer, None, cfg.run.seed)
         elif method == "hf_generate":
-            results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer)
+            results[method], out = run_hf(method, target, prompts, ev, eos, pad, tokenizer)
         elif method == "speculative":
-            results[method], out = run_engine(method, target, prompts, settings, eos, pad,
-                                              tokenizer, engine_draft(draft_model), cfg.run.seed)
-            for label, (name, model) in others.items():
-                print(f"[eval] {label} ({name}) on {len(prompts)} prompts ...", flush=True)
-                results[label], other = run_engine(label, target, prompts, settings, eos, pad,
-                                                   tokenizer, engine_draft(model), cfg.run.seed)
+            results[method], out = run_engine(method, target, prompts, ev, eos, pad,
+                                              tokenizer, engine_draft(draft), cfg.run.seed)
+            for label, other in others.items():
+                print(f"[eval] {label} ({other.name}) on {len(prompts)} prompts ...", flush=True)
+                results[label], other_out = run_engine(label, target, prompts, ev, eos, pad,
+                                                       tokenizer, engine_draft(other),
+                                                       cfg.run.seed)
                 if reference is not None and ev.temperature == 0:
                     results[label].identical_to_target = sum(
-                        a == b for a, b in zip(other, reference))
-        elif method == "hf_assisted" and is_head(draft_model):
-            print("[eval] hf_assisted skipped: transformers' assisted generation runs an "
-                  "independent draft LM, not heads on the target's features.")
+                        a == b for a, b in zip(other_out, reference))
+        elif method == "hf_assisted" and not draft.kind.hf_assistant:
+            print(f"[eval] hf_assisted skipped: transformers' assisted generation runs an "
+                  f"independent draft LM, not {draft.kind.description}.")
             continue
         elif method == "hf_assisted":
-            results[method], out = run_hf(method, target, prompts, settings, eos, pad, tokenizer,
-                                          assistant=draft_model)
+            results[method], out = run_hf(method, target, prompts, ev, eos, pad, tokenizer,
+                                          assistant=draft.model)
         elif method == "prompt_lookup":
-            results[method], out = run_engine(method, target, prompts, settings, eos, pad,
-                                              tokenizer, PromptLookupDraft(vocab), cfg.run.seed)
+            results[method], out = run_engine(method, target, prompts, ev, eos, pad,
+                                              tokenizer, engine_draft(lookup, "prompt lookup"),
+                                              cfg.run.seed)
         if method != "target" and reference is not None and ev.temperature == 0:
             results[method].identical_to_target = sum(a == b for a, b in zip(out, reference))
-    report = {"target": resolved.name, "dtype": cfg.model.dtype, "draft": draft_name,
+    report = {"target": resolved.name, "dtype": cfg.model.dtype,
+              "draft": draft.name if draft else None,
               "prompts": ev.prompts,
               "num_prompts": len(prompts), "skipped_over_context": skipped,
-              "settings": asdict(settings.decode),
+              "settings": asdict(ev.decoding),
               "batch_size": ev.batch_size, "device": str(device),
               "threads": torch.get_num_threads(),
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
@@ -337,13 +325,12 @@ def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
     ev = cfg.eval
     if ev.draft is None:
         raise ConfigError("--compare needs a draft: set eval.draft.")
-    _, tokenizer, target, _, draft_model = _load(cfg, device)
+    _, tokenizer, target, draft = _load(cfg, device)
     ids = [render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)]
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
-    settings = _settings(ev)
-    plain, _ = run_engine("target", target, ids, settings, eos, pad, tokenizer, None, cfg.run.seed)
-    spec, _ = run_engine("speculative", target, ids, settings, eos, pad, tokenizer,
-                         engine_draft(draft_model), cfg.run.seed)
+    plain, _ = run_engine("target", target, ids, ev, eos, pad, tokenizer, None, cfg.run.seed)
+    spec, _ = run_engine("speculative", target, ids, ev, eos, pad, tokenizer,
+                         engine_draft(draft), cfg.run.seed)
     a, b = plain.texts[0], spec.texts[0]
     first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
                       None if len(a) == len(b) else min(len(a), len(b)))

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -156,15 +156,57 @@ class GenerationConfig:
         return self.temperature > 0
 
 
+@dataclass
+class DecodeSettings:
+    """How requests are decoded, by our engine and by the eval and validation that drive it: the
+    one definition of these settings and their checks (the eval section extends it)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    """0 is greedy decoding; > 0 samples."""
+    top_p: float = 1.0
+    top_k: int = 0
+    k: int = 4
+    """Draft tokens per target forward (the start value when adaptive_k)."""
+    adaptive_k: bool = False
+    """Tune k online: +2 after a step where every active row accepted all k, else -1, within
+    [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
+    k_max: int = 8
+    stop_strings: list[str] = field(default_factory=list)
+    """A request also ends once its text contains one of these (kept in the output), besides
+    the end-of-turn token."""
+    batch_size: int = 1
+    """Requests decoded together, left-padded."""
+
+    section: ClassVar[str] = ""  # how messages name the fields: '' or 'eval.'
+
+    def __post_init__(self) -> None:
+        at = self.section
+        if not 1 <= self.k <= 64:
+            raise ConfigError(f"{at}k={self.k} must be in [1, 64]: each step verifies k+1 tokens.")
+        if self.adaptive_k and not self.k <= self.k_max <= 64:
+            raise ConfigError(f"{at}k_max={self.k_max} must be in [{at}k, 64].")
+        if self.temperature < 0:
+            raise ConfigError(f"{at}temperature={self.temperature} must be >= 0 (0 for greedy).")
+        if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
+            raise ConfigError(f"{at}top_p/top_k have no effect with greedy decoding "
+                              f"({at}temperature=0): set a temperature or drop them.")
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            raise ConfigError(f"{at}max_new_tokens and {at}batch_size must be >= 1.")
+
+
 EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(DecodeSettings):
+    """The decoding settings (DecodeSettings's fields: max_new_tokens, temperature, top_p, top_k,
+    k, adaptive_k, k_max, stop_strings, batch_size) plus what to measure, and on which prompts."""
+
     draft: str | None = None
     """The draft to measure: 'trained' (this run's train stage output, <output>/train/draft),
     'self' (the target drafts for itself: tau must reach k+1), 'layer-truncated:<n>' (the
-    target's first n layers, untrained), or an HF folder / hub id.
+    target's first n layers, untrained), 'prompt-lookup', or a draft folder / hub id.
     None: only the methods without a draft."""
     compare_drafts: list[str] = field(default_factory=list)
     """More drafts measured by our engine in the same run, each as method 'speculative:<label>'
@@ -175,25 +217,16 @@ class EvalConfig:
     split), or a .jsonl/.json/.parquet file."""
     num_prompts: int | None = 10
     """Prompts measured (the first ones of the set); None: all."""
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    k: int = 4
-    """Draft tokens per target forward (the start value when adaptive_k)."""
-    adaptive_k: bool = False
-    """Tune k online between 1 and k_max (the policy is printed with the results)."""
-    k_max: int = 8
-    stop_strings: list[str] = field(default_factory=list)
-    """A request also ends once its text contains one of these (besides the end-of-turn token)."""
-    batch_size: int = 1
     methods: list[str] | None = None
     """Which of target (our loop), hf_generate, speculative (our engine with the draft),
     hf_assisted (transformers' assisted generation with the same draft and k), prompt_lookup.
     None: all that apply (without a draft: target, hf_generate, prompt_lookup; hf_assisted only
     at batch_size 1)."""
 
+    section: ClassVar[str] = "eval."
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.methods is None:
             self.methods = [m for m in EVAL_METHODS if (self.draft is not None
                             or m not in ("speculative", "hf_assisted"))
@@ -207,22 +240,17 @@ class EvalConfig:
         if self.draft is None and {"speculative", "hf_assisted"} & set(self.methods):
             raise ConfigError("eval.methods has speculative/hf_assisted but eval.draft is not set: "
                               "name a draft (e.g. eval.draft=self) or drop those methods.")
-        if not 1 <= self.k <= 64:
-            raise ConfigError(f"eval.k={self.k} must be in [1, 64].")
-        if self.adaptive_k and not self.k <= self.k_max <= 64:
-            raise ConfigError(f"eval.k_max={self.k_max} must be in [eval.k, 64].")
-        if self.temperature < 0:
-            raise ConfigError(f"eval.temperature={self.temperature} must be >= 0 (0 for greedy).")
-        if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
-            raise ConfigError("eval.top_p/top_k have no effect with greedy decoding "
-                              "(eval.temperature=0): set a temperature or drop them.")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ConfigError("eval.max_new_tokens and eval.batch_size must be >= 1.")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts={self.num_prompts} must be >= 1 (or null).")
         if "hf_assisted" in self.methods and self.batch_size != 1:
             raise ConfigError("hf_assisted (transformers' assisted generation) runs batch 1 "
                               "only: set eval.batch_size=1 or drop it from eval.methods.")
+
+    @property
+    def decoding(self) -> DecodeSettings:
+        """The decoding settings alone (what the engine reads)."""
+        return DecodeSettings(**{f.name: getattr(self, f.name)
+                                 for f in dataclasses.fields(DecodeSettings)})
 
 
 LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")
@@ -354,53 +382,8 @@ class TrainConfig:
             raise ConfigError(f"train.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA).")
         if self.eval_conversations is not None and self.eval_conversations < 1:
             raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
-        if self.draft.startswith("medusa"):
-            heads, _ = self.medusa_shape
-            if not 0.0 < self.head_decay <= 1.0:
-                raise ConfigError(f"train.head_decay={self.head_decay} must be in (0, 1].")
-            if self.on_policy_fraction > 0:
-                raise ConfigError("Medusa heads cannot sample on their own (they need the "
-                                  "target's hidden states): set train.on_policy_fraction=0.")
-            if self.lora_rank:
-                raise ConfigError("LoRA applies to a draft LM's attention and MLP; Medusa heads "
-                                  "are small enough to train whole: set train.lora_rank=0.")
-            if self.eval_k > heads:
-                raise ConfigError(f"train.eval_k={self.eval_k} draft tokens need as many Medusa "
-                                  f"heads, but train.draft={self.draft!r} has {heads}: lower "
-                                  "train.eval_k or add heads.")
-
-        if self.draft == "eagle3":
-            if not 0.0 < self.head_decay <= 1.0:
-                raise ConfigError(f"train.head_decay={self.head_decay} must be in (0, 1].")
-            if self.ttt_steps < 1:
-                raise ConfigError(f"train.ttt_steps={self.ttt_steps} must be >= 1.")
-            if self.eval_k > self.ttt_steps:
-                raise ConfigError(f"train.eval_k={self.eval_k}: the predicted acceptance of draft "
-                                  f"position j needs training-time-test step j, and "
-                                  f"train.ttt_steps={self.ttt_steps}: lower eval_k or raise "
-                                  "ttt_steps.")
-            if self.on_policy_fraction > 0 or self.lora_rank or self.target_logits != "online":
-                raise ConfigError("an EAGLE-3 head needs the target's features on every batch and "
-                                  "is trained whole: set train.on_policy_fraction=0, "
-                                  "train.lora_rank=0 and train.target_logits=online.")
-            if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-                raise ConfigError("train.draft_vocab_size must be >= 1 (or null).")
-        elif self.draft.startswith("eagle"):
-            raise ConfigError(f"train.draft={self.draft!r}: the EAGLE-3 head is 'eagle3' (one "
-                              "decoder layer, as vLLM serves it).")
-
-    @property
-    def medusa_shape(self) -> tuple[int, int] | None:
-        """'medusa:<heads>[x<layers>]' -> (heads, layers); None for other drafts."""
-        kind, _, arg = self.draft.partition(":")
-        if kind != "medusa":
-            return None
-        heads, _, layers = arg.partition("x")
-        if not heads.isdigit() or int(heads) < 1 or (layers and not layers.isdigit()):
-            raise ConfigError(f"train.draft={self.draft!r}: expected 'medusa:<heads>' or "
-                              "'medusa:<heads>x<layers>' with heads >= 1, e.g. 'medusa:4x1'.")
-        return int(heads), int(layers) if layers else 1
-
+        # what the draft kind itself asks of these settings is checked by its module
+        # (drafts.check_train_config), before any stage runs
     @property
     def loss_terms(self) -> list[tuple[float, str]]:
         return parse_loss(self.loss)
@@ -442,7 +425,8 @@ class Config:
 
 _CLASSES: dict[str, type] = typing.get_type_hints(Config)  # section name -> dataclass
 SECTIONS = list(_CLASSES)
-_HINTS = {name: typing.get_type_hints(cls) for name, cls in _CLASSES.items()}
+_HINTS = {name: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+          for name, cls in _CLASSES.items()}
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:

@@ -1,1 +1,2 @@
-"""Serving: the lossless speculative-decoding math and engine."""
+"""Stage 4: a trained draft into real serving engines: export to the folders vLLM / SGLang /
+transformers load, validation inside real vLLM, publishing to the Hugging Face Hub."""

@@ -26,6 +26,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from assets.target import resolve_target
+from drafts import DraftKind, kind_of
+from drafts.folders import read_config
 from recipe import Config, ConfigError
 
 
@@ -72,67 +75,26 @@ def _target_shape(target_path: str) -> tuple[int, int]:
 def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
                  out: Path | None = None, fmt: str = "vllm") -> Export:
     """Check the draft against the target and k, then write the export folder atomically.
-    fmt: 'vllm' (native layouts) or 'speculators' (EAGLE-3 heads only)."""
-    from assets.target import resolve_target
-    from serving.eagle3 import Eagle3Head, is_eagle3_config
-
+    fmt: 'vllm' (native layouts) or a format of the draft's kind (EAGLE-3: 'speculators')."""
     draft_folder = Path(draft_folder or cfg.run.output_path / "train" / "draft")
-    config_path = draft_folder / "config.json"
-    if not config_path.is_file():
+    if read_config(draft_folder) is None:
         raise ConfigError(f"{draft_folder} holds no trained draft (no config.json): run the train "
                           "stage first, or pass --draft FOLDER.")
-    draft_config = json.loads(config_path.read_text())
-    target = resolve_target(cfg.model)
-    hidden, vocab = _target_shape(target.path)
     if k < 1:
         raise ConfigError(f"--k {k}: the number of speculative tokens must be >= 1.")
-    if fmt not in ("vllm", "speculators"):
-        raise ConfigError(f"--format {fmt!r}: expected 'vllm' or 'speculators'.")
-    if fmt == "speculators" and not is_eagle3_config(draft_config):
-        raise ConfigError("--format speculators holds EAGLE-3 heads only; export this draft with "
-                          "--format vllm.")
-    head = None
-    if is_eagle3_config(draft_config):
-        method, kind = "eagle3", "eagle3" if fmt == "vllm" else "eagle3-speculators"
-        head = Eagle3Head.from_pretrained(draft_folder)  # refuses a d2t that mismatches t2d
-        if (head.config.hidden_size, head.vocab_size) != (hidden, vocab):
-            raise ConfigError(f"the EAGLE-3 head reads hidden size {head.config.hidden_size} over "
-                              f"{head.vocab_size} tokens; the target {target.name} has {hidden} "
-                              f"and {vocab}: export it with the target it was trained on "
-                              "(model.target).")
-    elif draft_config.get("model_type") == "medusa":
-        method, kind = "medusa", "medusa"
-        heads = draft_config["num_heads"]
-        if k > heads:
-            raise ConfigError(f"--k {k} draft tokens need {k} Medusa heads, but {draft_folder} "
-                              f"has {heads}; vLLM would build the missing heads with "
-                              f"uninitialised weights. Export with --k <= {heads}.")
-        if (draft_config["hidden_size"], draft_config["vocab_size"]) != (hidden, vocab):
-            raise ConfigError(f"the Medusa heads read hidden size {draft_config['hidden_size']} "
-                              f"and predict {draft_config['vocab_size']} tokens; the target "
-                              f"{target.name} has {hidden} and {vocab}: export them with the "
-                              "target they were trained on (model.target).")
-    else:
-        method, kind = "draft_model", "draft-model"
-        if draft_config.get("vocab_size") != vocab:
-            raise ConfigError(f"the draft's vocabulary has {draft_config.get('vocab_size')} "
-                              f"tokens, the target's {vocab}: a draft must use the target's "
-                              "tokenizer.")
-    out = Path(out or cfg.run.output_path / "export" / kind)
+    kind = kind_of(draft_folder)
+    if fmt not in kind.formats:
+        raise ConfigError(f"--format {fmt!r}: {kind.description} exports as "
+                          f"{list(kind.formats)}; export this draft with --format "
+                          f"{kind.formats[0] if kind.formats else 'vllm'}.")
+    target = resolve_target(cfg.model)
+    kind.check_export(draft_folder, k, _target_shape(target.path))
+    out = Path(out or cfg.run.output_path / "export" / kind.export_name(fmt))
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(draft_folder, tmp)
-    if method == "medusa":
-        from serving.medusa import MedusaHeads
-
-        # heads trained with the target's head frozen share it: written once, as vLLM's
-        # original_lm_head, so the folder is 3 lm_heads smaller and loads the same heads
-        MedusaHeads.from_pretrained(draft_folder).save_pretrained(tmp)
-    elif head is not None and fmt == "vllm":
-        head.save_pretrained(tmp)
-    elif head is not None:
-        (tmp / "model.safetensors").unlink()
-        save_speculators(head, tmp, k, target_hub_id(cfg) or target.path)
+    kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
+    method = kind.vllm_method
     cfg.save(tmp / "config.yaml")
     speculative = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
     (tmp / "vllm_speculative_config.json").write_text(json.dumps(speculative, indent=2) + "\n")
@@ -144,30 +106,12 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
         (tmp / "eval_results.json").write_text(json.dumps(eval_report, indent=2) + "\n")
     training = draft_folder / "draftsmith_train.json"
     (tmp / "README.md").write_text(model_card(
-        cfg, method, k, command, target.name,
+        cfg, kind, k, command, target.name,
         json.loads(training.read_text()) if training.is_file() else None, eval_report,
         _manifest_counts(cfg)))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return Export(out, method, k, target.path, command)
-
-
-def save_speculators(head, folder: Path, k: int, verifier: str) -> None:
-    """An EAGLE-3 head in the speculators format (which `vllm serve <folder>` also reads): the
-    layer as `layers.0.*`, the Llama fields under transformer_layer_config, and
-    norm_before_residual written out (it defaults to true there)."""
-    from serving.folders import save_folder
-
-    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in head.state_dict().items()
-             if not k.startswith("rotary.")}
-    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-              "speculators_config": {
-                  "algorithm": "eagle3", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
-                  "verifier": {"name_or_path": verifier, "architectures": []}},
-              "transformer_layer_config": head.layer_config(), **head.eagle3_fields(),
-              "draftsmith": head.provenance()}
-    save_folder(folder, state, config)
 
 
 def _eval_of(cfg: Config, draft_folder: Path) -> dict | None:
@@ -187,18 +131,17 @@ def _manifest_counts(cfg: Config) -> dict | None:
     return json.loads(path.read_text()).get("counts") if path.is_file() else None
 
 
-def model_card(cfg: Config, method: str, k: int, command: str, target_name: str,
+def model_card(cfg: Config, kind: DraftKind, k: int, command: str, target_name: str,
                training: dict | None, eval_report: dict | None, counts: dict | None) -> str:
     """The Hub model card: what the draft is for, how it was made, what it measured, and the
     exact command that serves it, all from the resolved config and the recorded figures."""
     import yaml
 
     base = target_hub_id(cfg) or cfg.model.target
-    kind = {"medusa": "Medusa heads", "draft_model": "an independent draft model",
-            "eagle3": "an EAGLE-3 head"}[method]
+    method = kind.vllm_method
     lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {method}",
              "- draftsmith", "---", "",
-             f"# Draft for {target_name}: {kind}", "",
+             f"# Draft for {target_name}: {kind.description}", "",
              (f"A draft for speculative decoding with the target **{target_name}**, trained by "
               f"draftsmith (`train.draft={cfg.train.draft}`, loss `{cfg.train.loss}`). "
               "Speculative decoding keeps the target's output distribution exactly; the draft "

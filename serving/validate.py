@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -22,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-from recipe import Config, ConfigError
+from assets.target import (end_of_turn_ids, load_target, load_tokenizer, resolve_target,
+                           vllm_cpu_environment)
+from drafts import engine_draft, kind_for_method, load_draft
+from eval.speculative import load_eval_prompts, run_engine
+from recipe import Config, ConfigError, DecodeSettings, cache_root
+from serving.export import export_folder
 
 
 class ValidationFailed(RuntimeError):
@@ -54,10 +60,6 @@ class Validation:
 
 def run_vllm(request: dict, cache: Path) -> dict:
     """serving/vllm_run.py in a subprocess (vLLM spawns workers; it needs its own __main__)."""
-    import os
-
-    from serving.vllm_run import cpu_environment
-
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -67,7 +69,7 @@ def run_vllm(request: dict, cache: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
-        env = {**os.environ, **cpu_environment(str(cache))}
+        env = {**os.environ, **vllm_cpu_environment(str(cache))}
         done = subprocess.run([sys.executable, "-m", "serving.vllm_run", str(request_path),
                                str(result_path)], env=env, capture_output=True, text=True,
                               cwd=Path(__file__).parents[1], check=False)
@@ -76,37 +78,13 @@ def run_vllm(request: dict, cache: Path) -> dict:
         return json.loads(result_path.read_text())
 
 
-def check_head_vocabulary(folder: Path) -> None:
-    """Refuse an exported EAGLE-3 head whose d2t does not match its t2d before vLLM serves it
-    (vLLM reads d2t alone and would silently map draft tokens to other words)."""
-    from safetensors import safe_open
-
-    from serving.eagle3 import check_vocab_maps
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-        if not {"d2t", "t2d"} <= names:
-            raise ConfigError(f"{folder / 'model.safetensors'} lacks d2t or t2d: re-export the "
-                              "head (python -m serving.export).")
-        check_vocab_maps(f.get_tensor("d2t"), f.get_tensor("t2d"), str(folder))
-
-
 def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
              enforce_eager: bool = False) -> Validation:
-    from assets.target import load_target, load_tokenizer, resolve_target
-    from distill.generate import end_of_turn_ids
-    from eval.speculative import _Settings, load_eval_prompts, run_engine
-    from recipe import cache_root
-    from serving.drafts import engine_draft, load_draft
-    from serving.engine import DecodeSettings
-    from serving.export import export_folder
-
     folder = export_folder(cfg, folder)
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
     k = speculative["num_speculative_tokens"]
-    if speculative["method"] == "eagle3":
-        check_head_vocabulary(folder)
+    kind_for_method(speculative["method"]).check_exported(folder)
     trained = cfg.run.output_path / "train" / "draft"
     if not (trained / "config.json").is_file():
         raise ConfigError(f"{trained} holds no trained draft to compare vLLM with: run the train "
@@ -118,11 +96,11 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     prompts, _ = load_eval_prompts(cfg, tokenizer,
                                    getattr(target.config, "max_position_embeddings", None))
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
-    name, model = load_draft(str(trained), target, tokenizer, torch.float32, device)
-    settings = _Settings(DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k),
-                         cfg.eval.batch_size)
+    draft = load_draft(str(trained), target, tokenizer, torch.float32, device)
+    settings = DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k,
+                              batch_size=cfg.eval.batch_size)
     ours, our_tokens = run_engine("speculative", target, prompts, settings, eos, pad, tokenizer,
-                                  engine_draft(model), cfg.run.seed)
+                                  engine_draft(draft), cfg.run.seed)
     vllm = run_vllm({"target": resolved.path, "dtype": "float32", "prompts": prompts,
                      "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(eos),
                      "runs": {"target": None, "speculative": speculative},
@@ -142,7 +120,7 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     out = cfg.run.output_path / "validate"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
-        {**asdict(result), "ok": result.ok, "draft": name, "export": str(folder)}, indent=2))
+        {**asdict(result), "ok": result.ok, "draft": draft.name, "export": str(folder)}, indent=2))
     return result
 
 

@@ -13,7 +13,6 @@ RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -21,16 +20,6 @@ COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted",
             "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_position"}
-
-
-def cpu_environment(cache: str) -> dict:
-    """What vLLM needs on a machine without GPU (../shared/reference/vllm-cpu.md): every core
-    computing, a bounded KV cache, and its compile caches under ours."""
-    cores = f"0-{(os.cpu_count() or 1) - 1}"
-    return {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores),
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-            "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
 
 
 def run(request: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Stage 2: train a draft against the target (independent draft LM by distillation)."""
+"""Stage 2: train a draft of any kind (drafts/) against the target on stage 1's data."""
 
 from train.loop import TrainingDiverged, TrainSummary, accelerator_kwargs, train_draft
 

@@ -1,5 +1,5 @@
-"""The frozen target's features for head drafts, online (a target forward per batch) or offline
-(written once to <run>/features and read back every epoch).
+"""The frozen target's hidden states for training: online (a target forward per batch) or, for
+heads that read aux layers, offline (written once to <run>/features and read back every epoch).
 
 Offline features are the aux layers EAGLE-3 reads [T, 3H] and the post-norm last hidden state
 [T, H] (whose lm_head product is the target's logits), per conversation, in safetensors shards of
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
+from drafts.kind import TargetHidden, aux_features
 from recipe import Config, ConfigError
-from serving.eagle3 import aux_features
 from train.data import Batch, Example, collate
-from train.models import TargetHidden
 
 SHARD_SIZE = 16
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

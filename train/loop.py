@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from assets.target import load_target, load_tokenizer, resolve_target
-from distill.generate import end_of_turn_ids
+from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from distill.shards import identity_differences
+from drafts import TargetHidden, check_train_config
 from recipe import Config, ConfigError, TrainConfig
-from train.acceptance import chain_sums, match_probability, summarize
+from train.acceptance import acceptance_grid, chain_sums, match_probability, split, summarize
 from train.data import (
     Batch,
     checkpoint_name,
@@ -39,16 +39,7 @@ from train.data import (
     sample_on_policy,
 )
 from train.divergences import divergence
-from train.draft_init import init_draft
-from train.features import feature_cache, target_hidden
-from train.models import (
-    DraftForTraining,
-    Eagle3ForTraining,
-    MedusaForTraining,
-    TargetHidden,
-    acceptance_grid,
-    split,
-)
+from train.features import FeatureCache, feature_cache, target_hidden
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
 # trajectory (data, losses, schedule), only what gets logged or kept.
@@ -310,6 +301,53 @@ def _unwrap(model):
     return model
 
 
+@dataclass
+class TargetSignal:
+    """What the draft is trained against, decided once per run in this one place: the target's
+    hidden states (a forward per batch, or the offline feature cache) and its logits (a forward,
+    or the top-k stored by stage 1; none for hard-label CE alone)."""
+
+    target: torch.nn.Module
+    autocast: object  # accelerator.autocast: the target's matmuls in the training precision
+    aux_layers: list[int] | None
+    """Target layers the draft reads besides the last (the wrapper's aux_layers)."""
+    draft_reads_hidden: bool
+    logits: bool
+    """Some loss term needs the target's distribution (every loss but 'ce')."""
+    topk: bool
+    """Offline batches take stage 1's top-k log-probs instead of a target forward."""
+    vocab_size: int
+    features: FeatureCache | None = None
+
+    @classmethod
+    def for_run(cls, cfg: Config, target, trainable, autocast) -> TargetSignal:
+        return cls(target, autocast, trainable.aux_layers, trainable.needs_target_hidden,
+                   any(name != "ce" for _, name in cfg.train.loss_terms),
+                   cfg.train.target_logits == "topk",
+                   target.get_output_embeddings().weight.shape[0])
+
+    def hidden(self, batch: Batch) -> TargetHidden:
+        """The target's hidden states for a batch: from the feature cache, or a forward."""
+        if self.features is not None:
+            return self.features.lookup(batch, self.target)
+        with self.autocast():
+            return target_hidden(self.target, batch, self.aux_layers)
+
+    def __call__(self, batch: Batch) -> tuple[TargetHidden | None, torch.Tensor | None]:
+        """-> (hidden states when the draft or the target's logits need them, target logits
+        [N, V] at the batch's loss positions or None)."""
+        online = not self.topk or batch.on_policy  # the draft's own samples have no stored top-k
+        hidden = None
+        if self.draft_reads_hidden or (self.logits and online):
+            hidden = self.hidden(batch)
+        if not self.logits:
+            return hidden, None
+        if not online:
+            return hidden, stored_target_logits(batch, self.vocab_size)
+        with self.autocast():
+            return hidden, target_logits(self.target, batch, hidden)
+
+
 def train_draft(cfg: Config, accelerator) -> TrainSummary:
     """Train cfg.train.draft against the target on this run's stage-1 data; resumable."""
     out = cfg.run.output_path / "train"
@@ -322,41 +360,20 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         return TrainSummary(final, done["optimizer_steps"], done["before"], done["after"],
                             done["tokens"], done["loss_tokens"], done["train_seconds"])
 
+    kind = check_train_config(tcfg)
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     data = load_stage1(cfg, resolved.fingerprint)
     device = accelerator.device
     target = load_target(resolved, cfg.model.dtype, device)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
 
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
-    aux_layers = None
-    if tcfg.draft == "eagle3":
-        draft, aux_layers = _eagle3_head(cfg, target, data, accelerator.print)
-    else:
-        draft = init_draft(tcfg.draft, target, tokenizer, tcfg.medusa_shape)
-    freeze = tcfg.freeze_embeddings
-    if freeze is None:  # fresh embeddings are random and must learn; heads train their lm_heads
-        freeze = not tcfg.draft.startswith(("fresh:", "medusa:", "eagle3"))
-    if freeze and tcfg.draft == "eagle3":
-        draft.lm_head.requires_grad_(False)
-    elif freeze and tcfg.medusa_shape is not None:
-        draft.lm_heads.requires_grad_(False)
-    elif freeze:
-        draft.get_input_embeddings().requires_grad_(False)
-        draft.get_output_embeddings().requires_grad_(False)
+    draft = kind.build(tcfg, target, tokenizer, data.train, accelerator.print)
+    kind.freeze(draft, tcfg)
     if tcfg.lora_rank:
-        from peft import LoraConfig, get_peft_model
-
-        draft = get_peft_model(draft, LoraConfig(r=tcfg.lora_rank, lora_alpha=tcfg.lora_alpha,
-                                                 target_modules=tcfg.lora_targets))
-    if aux_layers is not None:
-        model = Eagle3ForTraining(draft, tcfg.ttt_steps, tcfg.head_decay)
-    elif tcfg.medusa_shape is not None:
-        model = MedusaForTraining(draft, tcfg.head_decay)
-    else:
-        model = DraftForTraining(draft)
+        draft = _with_lora(draft, tcfg)
+    model = kind.wrap(draft, tcfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=tcfg.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=tcfg.weight_decay)
@@ -365,41 +382,20 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     dist = Dist.of(accelerator)
     state = TrainState()
     accelerator.register_for_checkpointing(state)
-
-    checkpoint = latest_checkpoint(out / "checkpoints")
-    if checkpoint is not None:
-        _resume_check(checkpoint, cfg)
-        accelerator.load_state(str(checkpoint))
-        accelerator.print(f"[train] resumed from {checkpoint} (optimizer_step "
-                          f"{state.optimizer_step})")
-    resumed_from = state.optimizer_step if checkpoint is not None else None
+    resumed_from = _resume(accelerator, out / "checkpoints", cfg, state)
     if dist.is_main:
         cfg.save(out / "config.yaml")
-    if accelerator.trackers == [] and cfg.tracking.tracker != "none" and dist.is_main:
-        flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
-                for section, values in cfg.to_dict().items() for key, value in values.items()}
-        accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs={
-            "wandb": {"name": cfg.run.name, "dir": str(out)}})
+    _start_tracking(accelerator, dist, cfg, out)
     log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
     held_out = held_out_batches(data, cfg, pad_id)
-    G, world = tcfg.gradient_accumulation_steps, dist.world
-    model_needs_hidden = _unwrap(model).needs_target_hidden
-    needs_target_logits = any(name != "ce" for _, name in tcfg.loss_terms)
-    features = None
-    if aux_layers is not None and tcfg.target_features == "offline":
-        features = feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out,
-                                 aux_layers, pad_id, dist.rank, dist.world, dist.barrier,
-                                 accelerator.print)
-
-    def hidden_of(batch: Batch) -> TargetHidden:
-        """The target's hidden states for a batch: from the feature cache, or a forward."""
-        if features is not None:
-            return features.lookup(batch, target)
-        with accelerator.autocast():  # the target's matmuls in the same precision
-            return target_hidden(target, batch, aux_layers)
+    signal = TargetSignal.for_run(cfg, target, _unwrap(model), accelerator.autocast)
+    if signal.aux_layers is not None and tcfg.target_features == "offline":
+        signal.features = feature_cache(cfg, target, resolved.fingerprint,
+                                        data.train + data.held_out, signal.aux_layers, pad_id,
+                                        dist.rank, dist.world, dist.barrier, accelerator.print)
 
     def held_out_eval() -> dict:
-        result = evaluate_held_out(model, target, held_out, tcfg, device, hidden_of)
+        result = evaluate_held_out(model, target, held_out, tcfg, device, signal.hidden)
         accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
                           f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
                           f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
@@ -415,52 +411,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         lr = learning_rate(tcfg, state.optimizer_step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batches = []
-        for micro_step in range(G):
-            p = (state.optimizer_step * G + micro_step) * world + dist.rank
-            examples = micro_batch_examples(data.train, p, tcfg.micro_batch_size, cfg.run.seed)
-            if is_on_policy(p, tcfg.on_policy_fraction, cfg.run.seed):
-                batches.append(sample_on_policy(
-                    accelerator.unwrap_model(model).lm, examples,
-                    max_new_tokens=tcfg.on_policy_max_new_tokens,
-                    temperature=tcfg.on_policy_temperature, eos_ids=eos_ids, pad_id=pad_id,
-                    max_len=tcfg.max_seq_len).to(device))
-            else:
-                batches.append(collate(examples, pad_id, tcfg.max_seq_len).to(device))
-        # the step's loss is sum(token losses) / (loss tokens of every micro-batch on every
-        # process); accelerate divides by G and DDP/DeepSpeed average over processes: undo both
-        step_tokens = dist.sum(sum(b.loss_tokens for b in batches))
-        scale = G * world / max(step_tokens, 1)  # 0 only if truncation left no reply token
-        loss_sum, grad_norm = 0.0, None
-        for micro_step, batch in enumerate(batches):
-            with accelerator.accumulate(model):
-                pred, slots = batch.pred_mask, _unwrap(model).slots(batch.pred_mask)
-                hidden = None
-                if model_needs_hidden or (needs_target_logits and (
-                        tcfg.target_logits == "online" or batch.on_policy)):
-                    hidden = hidden_of(batch)
-                draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
-                if not needs_target_logits:  # hard-label CE alone
-                    p_logits = None
-                elif tcfg.target_logits == "topk" and not batch.on_policy:
-                    p_logits = stored_target_logits(batch, vocab_size)
-                else:
-                    with accelerator.autocast():
-                        p_logits = target_logits(target, batch, hidden)
-                loss = slot_loss(tcfg, model, slots, draft_logits, p_logits, batch.labels)
-                if dist.sum(float(not torch.isfinite(loss))) > 0:
-                    raise TrainingDiverged(
-                        f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
-                        f"micro_step {micro_step} (process {dist.rank}, conversations "
-                        f"{batch.ids}). Nothing after the last checkpoint "
-                        f"({latest_checkpoint(out / 'checkpoints') or 'none yet'}) was saved; "
-                        "lower train.learning_rate or raise train.warmup_steps, then resume.")
-                accelerator.backward(loss * scale)
-                loss_sum += float(loss.detach())
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+        batches = _step_batches(cfg, data, state.optimizer_step, dist, accelerator, model,
+                                eos_ids, pad_id)
+        loss_sum, step_tokens, grad_norm = _optimizer_step(
+            cfg, accelerator, dist, model, optimizer, batches, signal, state, out)
         state.optimizer_step += 1
         state.tokens += int(dist.sum(sum(int(b.attention_mask.sum()) for b in batches)))
         state.loss_tokens += int(step_tokens)
@@ -490,28 +444,83 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     return summary
 
 
-def _eagle3_head(cfg: Config, target, data, log):
-    """A fresh EAGLE-3 head: aux layers checked against the target, the draft vocabulary the
-    train.draft_vocab_size most frequent label tokens of the training conversations."""
-    from serving.eagle3 import Eagle3Head, check_aux_layers, default_aux_layers, most_frequent_ids
+def _step_batches(cfg: Config, data, optimizer_step: int, dist: Dist, accelerator, model,
+                  eos_ids: set[int], pad_id: int) -> list[Batch]:
+    """The G micro-batches of this process at this optimizer_step: stage-1 conversations, or
+    the draft's own continuations of their prompts (on-policy), as its seeded coin says."""
+    tcfg, G = cfg.train, cfg.train.gradient_accumulation_steps
+    batches = []
+    for micro_step in range(G):
+        p = (optimizer_step * G + micro_step) * dist.world + dist.rank
+        examples = micro_batch_examples(data.train, p, tcfg.micro_batch_size, cfg.run.seed)
+        if is_on_policy(p, tcfg.on_policy_fraction, cfg.run.seed):
+            batches.append(sample_on_policy(
+                accelerator.unwrap_model(model).lm, examples,
+                max_new_tokens=tcfg.on_policy_max_new_tokens,
+                temperature=tcfg.on_policy_temperature, eos_ids=eos_ids, pad_id=pad_id,
+                max_len=tcfg.max_seq_len).to(accelerator.device))
+        else:
+            batches.append(collate(examples, pad_id, tcfg.max_seq_len).to(accelerator.device))
+    return batches
 
-    tcfg, layers = cfg.train, target.config.num_hidden_layers
-    aux_layers = check_aux_layers(tcfg.eagle_aux_layers or default_aux_layers(layers), layers)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    size = tcfg.draft_vocab_size or min(32000, vocab_size)
-    if size > vocab_size:
-        raise ConfigError(f"train.draft_vocab_size={size} is larger than the target's vocabulary "
-                          f"({vocab_size} tokens): set it to at most {vocab_size}.")
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for e in data.train:
-        labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
-        counts += torch.bincount(labels, minlength=vocab_size)
-    draft_ids = most_frequent_ids(counts, size)
-    covered = float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
-    log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
-        f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
-    head = Eagle3Head.from_target(target, aux_layers, draft_ids).float()
-    return head.requires_grad_(True).train(), aux_layers
+
+def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batches, signal,
+                    state: TrainState, out: Path) -> tuple[float, float, torch.Tensor | None]:
+    """Forward and backward over the step's micro-batches, then one optimizer step ->
+    (the summed loss, the step's loss tokens on every process, the gradient norm)."""
+    tcfg, G, world = cfg.train, cfg.train.gradient_accumulation_steps, dist.world
+    # the step's loss is sum(token losses) / (loss tokens of every micro-batch on every
+    # process); accelerate divides by G and DDP/DeepSpeed average over processes: undo both
+    step_tokens = dist.sum(sum(b.loss_tokens for b in batches))
+    scale = G * world / max(step_tokens, 1)  # 0 only if truncation left no reply token
+    loss_sum, grad_norm = 0.0, None
+    for micro_step, batch in enumerate(batches):
+        with accelerator.accumulate(model):
+            pred, slots = batch.pred_mask, _unwrap(model).slots(batch.pred_mask)
+            hidden, p_logits = signal(batch)
+            draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
+            loss = slot_loss(tcfg, model, slots, draft_logits, p_logits, batch.labels)
+            if dist.sum(float(not torch.isfinite(loss))) > 0:
+                raise TrainingDiverged(
+                    f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
+                    f"micro_step {micro_step} (process {dist.rank}, conversations "
+                    f"{batch.ids}). Nothing after the last checkpoint "
+                    f"({latest_checkpoint(out / 'checkpoints') or 'none yet'}) was saved; "
+                    "lower train.learning_rate or raise train.warmup_steps, then resume.")
+            accelerator.backward(loss * scale)
+            loss_sum += float(loss.detach())
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+    return loss_sum, step_tokens, grad_norm
+
+
+def _with_lora(draft, tcfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(draft, LoraConfig(r=tcfg.lora_rank, lora_alpha=tcfg.lora_alpha,
+                                            target_modules=tcfg.lora_targets))
+
+
+def _resume(accelerator, checkpoints: Path, cfg: Config, state: TrainState) -> int | None:
+    """Load the latest checkpoint, if any -> the optimizer_step resumed from."""
+    checkpoint = latest_checkpoint(checkpoints)
+    if checkpoint is None:
+        return None
+    _resume_check(checkpoint, cfg)
+    accelerator.load_state(str(checkpoint))
+    accelerator.print(f"[train] resumed from {checkpoint} (optimizer_step "
+                      f"{state.optimizer_step})")
+    return state.optimizer_step
+
+
+def _start_tracking(accelerator, dist: Dist, cfg: Config, out: Path) -> None:
+    if accelerator.trackers == [] and cfg.tracking.tracker != "none" and dist.is_main:
+        flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
+                for section, values in cfg.to_dict().items() for key, value in values.items()}
+        accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs={
+            "wandb": {"name": cfg.run.name, "dir": str(out)}})
 
 
 def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config,

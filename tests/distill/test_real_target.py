@@ -7,8 +7,9 @@ import torch
 
 from assets.prompts import load_sharegpt
 from assets.target import load_target, resolve_target
-from distill.chat import render, render_text
-from distill.generate import end_of_turn_ids, generate_replies
+from assets.chat import render, render_text
+from assets.target import end_of_turn_ids
+from distill.generate import generate_replies
 from recipe import GenerationConfig, ModelConfig
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import torch
 
 from eval.speculative import acceptance, compare, evaluate
 from recipe import load_config
-from serving.engine import RequestStats
+from decoding.engine import RequestStats
 from tests.conftest import chat_records, write_jsonl
 
 
@@ -62,7 +62,7 @@ def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
 def test_draft_with_another_vocabulary_is_refused_before_generation(peaked_target, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from serving.drafts import VocabMismatchError
+    from drafts.independent import VocabMismatchError
 
     other = tmp_path / "other"
     LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
@@ -85,7 +85,7 @@ def test_acceptance_pools_requests():
 def medusa_folder(peaked_target, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from serving.medusa import MedusaHeads
+    from drafts.medusa import MedusaHeads
 
     torch.manual_seed(1)
     target = AutoModelForCausalLM.from_pretrained(peaked_target)
@@ -121,7 +121,7 @@ def test_more_draft_tokens_than_medusa_heads_is_refused_before_generation(
 
 def test_medusa_heads_of_another_target_are_refused(peaked_target, tmp_path):
     from recipe import ConfigError
-    from serving.medusa import MedusaHeads
+    from drafts.medusa import MedusaHeads
 
     folder = tmp_path / "wrong"
     MedusaHeads(32, 1000, num_heads=2).save_pretrained(folder)

@@ -7,7 +7,7 @@ import torch
 
 from recipe import ConfigError, load_config
 from serving.export import export_draft
-from serving.medusa import MedusaHeads
+from drafts.medusa import MedusaHeads
 
 
 def _cfg(tiny_target, tmp_path):
@@ -111,7 +111,7 @@ def test_the_model_card_carries_the_measured_eval_of_this_draft(tiny_target, tmp
 def _eagle3(tiny_target, folder, aux=(0, 1, 1), vocab=300):
     from transformers import AutoModelForCausalLM
 
-    from serving.eagle3 import Eagle3Head
+    from drafts.eagle3 import Eagle3Head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
     ids = torch.arange(0, 3 * vocab, 3)  # every third target token
@@ -123,7 +123,7 @@ def _eagle3(tiny_target, folder, aux=(0, 1, 1), vocab=300):
 def test_eagle3_export_writes_vllm_native_layout(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
-    from serving.eagle3 import Eagle3Head
+    from drafts.eagle3 import Eagle3Head
 
     head = _eagle3(tiny_target, tmp_path / "run" / "train" / "draft")
     result = export_draft(_cfg(tiny_target, tmp_path), k=3)
@@ -150,7 +150,7 @@ def test_eagle3_export_writes_vllm_native_layout(tiny_target, tmp_path):
 def test_default_aux_layers_are_not_written(smollm2_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from serving.eagle3 import Eagle3Head
+    from drafts.eagle3 import Eagle3Head
 
     target = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=8, num_attention_heads=2,

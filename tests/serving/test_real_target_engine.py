@@ -5,14 +5,16 @@ import torch
 
 from assets.prompts import load_mtbench
 from assets.target import load_target, resolve_target
-from distill.chat import render
-from distill.generate import end_of_turn_ids, left_pad
+from assets.chat import render
+from assets.target import end_of_turn_ids
+from decoding.engine import left_pad
 from recipe import ModelConfig
-from serving.drafts import ModelDraft, PromptLookupDraft
-from serving.eagle3 import Eagle3Draft, Eagle3Head, default_aux_layers
-from serving.engine import DecodeSettings, generate
-from serving.medusa import MedusaDraft, MedusaHeads
-from train.draft_init import layer_truncated
+from drafts.independent import ModelDraft
+from drafts.prompt_lookup import PromptLookupDraft
+from drafts.eagle3 import Eagle3Draft, Eagle3Head, default_aux_layers
+from decoding.engine import DecodeSettings, generate
+from drafts.medusa import MedusaDraft, MedusaHeads
+from drafts.independent import layer_truncated
 
 pytestmark = pytest.mark.integration
 NEW_TOKENS = 48

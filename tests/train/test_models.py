@@ -11,14 +11,16 @@ from torch import nn
 
 from recipe import ConfigError, TrainConfig
 from train import accelerator_kwargs, train_draft
-from train.acceptance import chain_sums, chained_acceptance
-from train.models import DraftForTraining, SameVocabulary, acceptance_grid, medusa_slots
+from drafts import check_train_config
+from drafts.independent import DraftForTraining
+from drafts.kind import SameVocabulary, chain_slots
+from train.acceptance import acceptance_grid, chain_sums, chained_acceptance
 
 
 def test_medusa_head_j_at_start_s_is_scored_at_loss_position_s_plus_j():
     pred_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
     loss_positions = pred_mask.nonzero().tolist()  # the N rows, row-major
-    slots = medusa_slots(pred_mask, num_heads=3, decay=0.5)
+    slots = chain_slots(pred_mask, 3, decay=0.5)
     assert [s.position for s in slots] == [1, 2, 3]
     assert [s.weight for s in slots] == [1.0, 0.5, 0.25]
     for slot in slots:
@@ -55,7 +57,7 @@ class _OracleHeads(SameVocabulary, nn.Module):
         self.target, self.num_heads = target, num_heads
 
     def slots(self, pred_mask):
-        return medusa_slots(pred_mask, self.num_heads, 0.8)
+        return chain_slots(pred_mask, self.num_heads, 0.8)
 
     def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
         logits = self.target.lm_head(target_hidden.last)  # [B, T, V]
@@ -83,7 +85,7 @@ def test_perfect_medusa_heads_are_predicted_to_reach_k_plus_one(tiny_run):
 def test_medusa_heads_train_resume_and_save_in_vllm_layout(tiny_run):
     from safetensors import safe_open
 
-    from serving.medusa import MedusaHeads
+    from drafts.medusa import MedusaHeads
 
     cfg = tiny_run("train.draft=medusa:3x2", "train.loss=fkl", "train.learning_rate=1e-2")
     summary = train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
@@ -117,11 +119,11 @@ def test_medusa_heads_train_resume_and_save_in_vllm_layout(tiny_run):
 ])
 def test_bad_medusa_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(**overrides)
+        check_train_config(TrainConfig(**overrides))
 
 
 def test_medusa_heads_for_another_target_are_refused():
-    from serving.medusa import MedusaHeads, check_fits_target
+    from drafts.medusa import MedusaHeads, check_fits_target
 
     class _Target:
         def get_output_embeddings(self):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distill.chat import ChatTemplateError, render, render_text, tokenize_conversation
+from assets.chat import ChatTemplateError, render, render_text, tokenize_conversation
 
 IM_END = 2  # SmolLM2's <|im_end|>
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from serving import speculative
-from serving.speculative import residual_distribution, sampling_probs, verify
+from decoding import speculative
+from decoding.speculative import residual_distribution, sampling_probs, verify
 
 V = 5
 

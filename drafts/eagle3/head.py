@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads (Li et al. 2025): one decoder layer on the target's own features.
+"""The EAGLE-3 head (Li et al. 2025): one decoder layer on the target's own features.
 
 The target's hidden states at three layers (low, middle, high) are concatenated and projected
 by `fc` [H, 3H] to one feature h_t. The head's decoder layer reads, at position t,
@@ -18,17 +18,13 @@ other wherever a head is loaded.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from drafts.folders import load_folder, save_folder
 from recipe import ConfigError
-from serving.folders import CONFIG_NAME, WEIGHTS_NAME, save_folder
-from serving.speculative import sampling_probs
 
 IGNORE = -100  # a label outside the draft vocabulary (F.cross_entropy's ignore_index)
 
@@ -53,12 +49,6 @@ def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
                           f"layer k (HF output_hidden_states[k]); the default is "
                           f"{default_aux_layers(num_layers)}.")
     return list(layers)
-
-
-def aux_features(hidden_states, layers: list[int]) -> torch.Tensor:
-    """HF output_hidden_states (a tuple of [B, T, H]) -> the aux layers concatenated in layer
-    order, [B, T, 3H]."""
-    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 # --- draft vocabulary --------------------------------------------------------------------
@@ -295,37 +285,31 @@ class Eagle3Head(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32,
                         device: torch.device | str = "cpu") -> Eagle3Head:
-        from safetensors.torch import load_file
-        from transformers import LlamaConfig
+        def build(raw: dict, state: dict) -> Eagle3Head:
+            from transformers import LlamaConfig
 
-        folder = Path(folder)
-        raw = json.loads((folder / CONFIG_NAME).read_text())
-        if not is_eagle3_config(raw):
-            raise ConfigError(f"{folder} is not an EAGLE-3 head (architectures "
-                              f"{raw.get('architectures')}).")
-        if raw.get("norm_before_residual", False):
-            raise ConfigError(f"{folder}: norm_before_residual=true heads are not supported by "
-                              "draftsmith's engine (vLLM's default is false).")
-        ours = raw.get("draftsmith", {})
-        aux = (ours.get("aux_layers") or raw.get("eagle_aux_hidden_state_layer_ids")
-               or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
-        state = load_file(str(folder / WEIGHTS_NAME))
-        for name in ("d2t", "t2d"):
-            if name not in state:
-                raise ConfigError(f"{folder / WEIGHTS_NAME} holds no {name}: without it draft "
-                                  "ids cannot be read as target ids.")
-        check_vocab_maps(state["d2t"], state["t2d"], str(folder))
-        config = LlamaConfig(**{k: v for k, v in raw.items() if k not in EAGLE3_KEYS})
-        draft_ids = target_ids(torch.arange(len(state["d2t"])), state["d2t"])
-        head = cls(config, aux or [], draft_ids.sort().values)
-        head.target_layers = ours.get("target_num_hidden_layers")
-        head.d2t, head.t2d = state["d2t"].long(), state["t2d"].bool()
-        missing, unexpected = head.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.startswith("rotary.")]
-        if missing or unexpected:
-            raise ConfigError(f"{folder / WEIGHTS_NAME} does not match an EAGLE-3 head: missing "
-                              f"{missing[:4]}, unexpected {unexpected[:4]}.")
-        return head.to(device=device, dtype=dtype).eval()
+            if not is_eagle3_config(raw):
+                raise ConfigError(f"{folder} is not an EAGLE-3 head (architectures "
+                                  f"{raw.get('architectures')}).")
+            if raw.get("norm_before_residual", False):
+                raise ConfigError(f"{folder}: norm_before_residual=true heads are not supported "
+                                  "by draftsmith's engine (vLLM's default is false).")
+            ours = raw.get("draftsmith", {})
+            aux = (ours.get("aux_layers") or raw.get("eagle_aux_hidden_state_layer_ids")
+                   or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+            for name in ("d2t", "t2d"):
+                if name not in state:
+                    raise ConfigError(f"{folder} holds no {name}: without it draft ids cannot "
+                                      "be read as target ids.")
+            check_vocab_maps(state["d2t"], state["t2d"], str(folder))
+            config = LlamaConfig(**{k: v for k, v in raw.items() if k not in EAGLE3_KEYS})
+            draft_ids = target_ids(torch.arange(len(state["d2t"])), state["d2t"])
+            head = cls(config, aux or [], draft_ids.sort().values)
+            head.target_layers = ours.get("target_num_hidden_layers")
+            head.d2t, head.t2d = state["d2t"].long(), state["t2d"].bool()
+            return head
+
+        return load_folder(folder, build, "an EAGLE-3 head", dtype, device, derived=("rotary.",))
 
 
 EAGLE3_KEYS = {"architectures", "model_type", "draftsmith", "eagle_config", "draft_vocab_size",
@@ -334,11 +318,6 @@ EAGLE3_KEYS = {"architectures", "model_type", "draftsmith", "eagle_config", "dra
 
 def is_eagle3_config(config: dict) -> bool:
     return "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
-
-
-def is_eagle3_folder(spec: str) -> bool:
-    config = Path(spec).expanduser() / CONFIG_NAME
-    return config.is_file() and is_eagle3_config(json.loads(config.read_text()))
 
 
 def check_fits_target(head: Eagle3Head, target) -> None:
@@ -357,168 +336,3 @@ def check_fits_target(head: Eagle3Head, target) -> None:
     if not head.aux_layers:
         head.aux_layers = default_aux_layers(layers)
     check_aux_layers(head.aux_layers, layers)
-
-
-# --- training-time test ------------------------------------------------------------------
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, T, ...] -> x[:, n:] padded with zeros at the end to length T."""
-    out = torch.zeros_like(x)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
-
-
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """Attention of training-time-test step j = len(keys) - 1.
-
-    Query t of step j (draft token j+1 of the chain that starts after position t) sees what the
-    head's cache holds in serving at that point: step 0's entries at positions <= t (made from
-    the target's features) and its own earlier steps' entries for the same chain, i.e. step i's
-    entry at the same index t, i = 1..j. q [B, n, T, d]; keys, values: j+1 of [B, kv, T, d];
-    mask [B, 1, T, T] bool (causal and padding) -> [B, n, T, d]."""
-    scale = q.shape[-1] ** -0.5
-    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
-    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))]  # [B,n,T,T]
-    for k in keys[1:]:
-        scores.append((q * repeat_kv(k, groups)).sum(-1, keepdim=True) * scale)  # [B, n, T, 1]
-    probs = torch.softmax(torch.cat(scores, -1).float(), dim=-1).to(q.dtype)
-    length = k0.shape[2]
-    out = probs[..., :length] @ v0
-    for i, v in enumerate(values[1:]):
-        out = out + probs[..., length + i : length + i + 1] * repeat_kv(v, groups)
-    return out
-
-
-def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
-           attention_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The training-time test: `steps` draft steps over a right-padded batch.
-
-    embeds [B, T, H] (the target's embedding of each token), aux [B, T, 3H] (the target's aux
-    features), attention_mask [B, T] -> one pre-norm output [B, T, H] per step. Step j at index t
-    reads the embedding of x_{t+1+j} and step j-1's output at t (step 0: fc(aux_t)), sits at
-    position t + j, and predicts x_{t+2+j}."""
-    batch, length, _ = embeds.shape
-    positions = torch.arange(length, device=embeds.device).expand(batch, length)
-    causal = torch.ones(length, length, dtype=torch.bool, device=embeds.device).tril()
-    mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, T, T]
-    hidden = head.fc(aux)
-    keys, values, outputs = [], [], []
-    for j in range(steps):
-        q, k, v, residual = head.project(shift_left(embeds, 1 + j), hidden, positions + j)
-        keys.append(k)
-        values.append(v)
-        hidden = head.finish(ttt_attention(q, keys, values, mask, head.groups), residual)
-        outputs.append(hidden)
-    return outputs
-
-
-# --- serving -----------------------------------------------------------------------------
-
-class HeadCache:
-    """The head's own KV cache with a slot mask [B, L] (holes for rejected slots, as in
-    serving/kv.py) and each row's next position [B]."""
-
-    def __init__(self, batch: int, head: Eagle3Head, device):
-        attn = head.midlayer.self_attn
-        shape = (batch, attn.num_kv_heads, 0, attn.head_dim)
-        dtype = head.fc.weight.dtype
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def run(self, head: Eagle3Head, embeds, hidden, valid) -> torch.Tensor:
-        """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
-        [B, t, H]."""
-        t = valid.shape[1]
-        steps = valid.long()
-        positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
-        q, k, v, residual = head.project(embeds, hidden, positions)
-        self.keys = torch.cat([self.keys, k], dim=2)
-        self.values = torch.cat([self.values, v], dim=2)
-        self.mask = torch.cat([self.mask, valid], dim=1)
-        length = self.mask.shape[1]
-        slot = torch.arange(length, device=valid.device)
-        query_slot = torch.arange(length - t, length, device=valid.device)
-        allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]  # [B,t,L]
-        allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # a hole sees itself
-        attended = F.scaled_dot_product_attention(
-            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
-            attn_mask=allowed[:, None])
-        self.next_position = self.next_position + steps.sum(1)
-        return head.finish(attended, residual)
-
-    def crop(self, n: int, valid: bool = True) -> None:
-        """Drop the last n slots of every row (valid: they counted as positions)."""
-        if n <= 0:
-            return
-        if valid:
-            self.next_position = self.next_position - self.mask[:, -n:].sum(1)
-        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
-        self.mask = self.mask[:, :-n]
-
-
-@dataclass
-class Eagle3Model:
-    """A loaded head with the target embedding it reads tokens through."""
-
-    head: Eagle3Head
-    embedding: nn.Module
-
-
-class Eagle3Draft:
-    """The engine's draft: the head proposes a chain of k from the target's features of the
-    last verification, keeping its own KV cache of the verified tokens."""
-
-    uses_target_hidden = True
-
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
-        self.head, self.embed, self.name = head, embedding, name
-
-    def _features(self, target_hidden) -> torch.Tensor:
-        return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
-            self.head.fc.weight.dtype))
-
-    def _embeds(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens).to(self.head.fc.weight.dtype)
-
-    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
-        batch = input_ids.shape[0]
-        self.cache = HeadCache(batch, self.head, input_ids.device)
-        following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
-        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
-                             attention_mask.bool())
-        self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
-        self.chain = 0
-
-    def propose(self, k, sampling, history):
-        tokens, probs, hidden = [], [], self.hidden
-        for i in range(k):
-            logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
-            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            token = torch.multinomial(q, 1)[:, 0]  # [B] target ids
-            tokens.append(token)
-            probs.append(q)
-            if i < k - 1:
-                hidden = self.cache.run(self.head, self._embeds(token[:, None]), hidden[:, None],
-                                        torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
-        self.chain = k - 1  # slots to drop once the target has verified
-        self.tokens = torch.stack(tokens, 1)  # [B, k]
-        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
-
-    def accept(self, num_accepted, next_token, target_hidden=None):
-        """Replace the chain's slots by the verified tokens' slots, made from the target's
-        features: slot i of the chunk [pending, d_1..d_k] reads d_{i+1} (i < n) or next_token
-        (i = n); slots past n are holes."""
-        self.cache.crop(self.chain)
-        batch, k = self.tokens.shape
-        rows = torch.arange(batch, device=next_token.device)
-        following = torch.cat([self.tokens, next_token[:, None]], dim=1)  # [B, k+1]
-        following[rows, num_accepted] = next_token
-        valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
-        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
-                             valid)
-        self.hidden = out[rows, num_accepted]  # [B, H]
-        self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

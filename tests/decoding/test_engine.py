@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from serving.drafts import ModelDraft, PromptLookupDraft
-from serving.engine import DecodeSettings, generate
-from serving.medusa import MedusaDraft, MedusaHeads
+from drafts.independent import ModelDraft
+from drafts.prompt_lookup import PromptLookupDraft
+from decoding.engine import DecodeSettings, generate
+from drafts.medusa import MedusaDraft, MedusaHeads
 
 VOCAB, EOS = 256, 2
 

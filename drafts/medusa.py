@@ -5,22 +5,23 @@ target just chose (x_{t+1}), and predicts x_{t+1+j}. Each head is L residual blo
 followed by an lm_head over the target's vocabulary. No draft KV cache: a chain of k <= K draft
 tokens costs the heads once per step.
 
-Saved in vLLM's layout (`model_type: medusa`, `MedusaModel`, `blocks.{h}.layers.{l}.weight`,
+Trained on the target's features at every loss position (head j scored as draft position j of
+the chain that starts there, weighted train.head_decay**(j-1)). Saved in vLLM's layout (`model_type: medusa`, `MedusaModel`, `blocks.{h}.layers.{l}.weight`,
 `lm_heads.{h}.weight`), so the trained folder is what `--speculative-config '{"method":
 "medusa", ...}'` loads.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from recipe import ConfigError
-from serving.folders import CONFIG_NAME, WEIGHTS_NAME, save_folder
-from serving.speculative import sampling_probs
+from decoding.speculative import sampling_probs
+from drafts.folders import load_folder, save_folder
+from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, chain_slots
+from recipe import ConfigError, TrainConfig
 
 
 class ResidualBlock(nn.Module):
@@ -111,29 +112,19 @@ class MedusaHeads(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32,
                         device: torch.device | str = "cpu") -> MedusaHeads:
-        from safetensors.torch import load_file
+        def build(config: dict, state: dict) -> MedusaHeads:
+            if config.get("model_type") != "medusa":
+                raise ConfigError(f"{folder} is not a Medusa folder (model_type "
+                                  f"{config.get('model_type')!r}).")
+            heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"],
+                        config["num_hidden_layers"])
+            if config.get("original_lm_head"):  # one lm_head, stored as lm_heads.0
+                heads.lm_heads = nn.ModuleList([heads.lm_heads[0]])
+            return heads
 
-        folder = Path(folder)
-        config = json.loads((folder / CONFIG_NAME).read_text())
-        if config.get("model_type") != "medusa":
-            raise ConfigError(f"{folder} is not a Medusa folder (model_type "
-                              f"{config.get('model_type')!r}).")
-        heads = cls(config["hidden_size"], config["vocab_size"], config["num_heads"],
-                    config["num_hidden_layers"])
-        if config.get("original_lm_head"):  # one lm_head, stored as lm_heads.0
-            heads.lm_heads = nn.ModuleList([heads.lm_heads[0]])
-        state = load_file(str(folder / WEIGHTS_NAME))
-        missing, unexpected = heads.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ConfigError(f"{folder / WEIGHTS_NAME} does not match its config.json: missing "
-                              f"{missing[:4]}, unexpected {unexpected[:4]}.")
+        heads = load_folder(folder, build, "its config.json", dtype, device)
         heads.share_identical_lm_heads()
-        return heads.to(device=device, dtype=dtype).eval()
-
-
-def is_medusa_folder(spec: str) -> bool:
-    config = Path(spec).expanduser() / CONFIG_NAME
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "medusa"
+        return heads
 
 
 def check_fits_target(heads: MedusaHeads, target) -> None:
@@ -172,3 +163,107 @@ class MedusaDraft:
         rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
         # chunk = [pending, d_1..d_k]; slot n (the last accepted) produced next_token
         self.hidden = target_hidden[-1][rows, num_accepted]  # [B, H]
+
+
+class MedusaForTraining(SameVocabulary, nn.Module):
+    """Medusa heads on the frozen target's post-norm last hidden state [B, T, H]: for each head
+    its logits at the starts chain_slots gives, concatenated -> [M, V]."""
+
+    needs_target_hidden = True
+    aux_layers = None
+
+    def __init__(self, heads: MedusaHeads, decay: float):
+        super().__init__()
+        self.lm, self.decay = heads, decay  # `lm`: the trained module, as for every kind
+
+    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
+        return chain_slots(pred_mask, self.lm.num_heads, self.decay)
+
+    def forward(self, input_ids, attention_mask, pred_mask,
+                target_hidden: TargetHidden | None = None):
+        dtype = self.lm.lm_heads[0].weight.dtype
+        logits = [self.lm.head_logits(slot.position - 1,
+                                      target_hidden.last[slot.starts[:, 0],
+                                                         slot.starts[:, 1]].to(dtype))
+                  for slot in self.slots(pred_mask)]
+        return torch.cat(logits)  # [M, V]
+
+
+class Medusa:
+    """train.draft='medusa:<heads>[x<layers>]'; a folder with model_type 'medusa'."""
+
+    name, description, vllm_method, formats = "medusa", "Medusa heads", "medusa", ("vllm",)
+    hf_assistant = False
+
+    def claims(self, spec: str) -> bool:
+        return spec.partition(":")[0] == "medusa"
+
+    def reads_folder(self, config: dict) -> bool:
+        return config.get("model_type") == "medusa"
+
+    @staticmethod
+    def shape(spec: str) -> tuple[int, int]:
+        """'medusa:<heads>[x<layers>]' -> (heads, layers)."""
+        heads, _, layers = spec.partition(":")[2].partition("x")
+        if not heads.isdigit() or int(heads) < 1 or (layers and not layers.isdigit()):
+            raise ConfigError(f"train.draft={spec!r}: expected 'medusa:<heads>' or "
+                              "'medusa:<heads>x<layers>' with heads >= 1, e.g. 'medusa:4x1'.")
+        return int(heads), int(layers) if layers else 1
+
+    def check_train(self, cfg: TrainConfig) -> None:
+        heads, _ = self.shape(cfg.draft)
+        if not 0.0 < cfg.head_decay <= 1.0:
+            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+        if cfg.on_policy_fraction > 0:
+            raise ConfigError("Medusa heads cannot sample on their own (they need the "
+                              "target's hidden states): set train.on_policy_fraction=0.")
+        if cfg.lora_rank:
+            raise ConfigError("LoRA applies to a draft LM's attention and MLP; Medusa heads "
+                              "are small enough to train whole: set train.lora_rank=0.")
+        if cfg.eval_k > heads:
+            raise ConfigError(f"train.eval_k={cfg.eval_k} draft tokens need as many Medusa "
+                              f"heads, but train.draft={cfg.draft!r} has {heads}: lower "
+                              "train.eval_k or add heads.")
+
+    def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> MedusaHeads:
+        heads = MedusaHeads.from_target(target, *self.shape(cfg.draft)).float()
+        return heads.requires_grad_(True).train()
+
+    def freeze(self, draft: MedusaHeads, cfg: TrainConfig) -> None:
+        if cfg.freeze_embeddings:  # default: the heads train their lm_heads
+            draft.lm_heads.requires_grad_(False)
+
+    def wrap(self, draft: MedusaHeads, cfg: TrainConfig) -> MedusaForTraining:
+        return MedusaForTraining(draft, cfg.head_decay)
+
+    def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:
+        heads = MedusaHeads.from_pretrained(spec, dtype, device)
+        check_fits_target(heads, target)
+        return LoadedDraft(f"{spec} (Medusa, {heads.num_heads} heads)", self, heads,
+                           max_k=heads.num_heads, max_k_unit="heads")
+
+    def engine_draft(self, loaded: LoadedDraft, name: str) -> MedusaDraft:
+        return MedusaDraft(loaded.model, name)
+
+    def check_export(self, draft_folder, k, target_shape) -> None:
+        heads = MedusaHeads.from_pretrained(draft_folder)
+        if k > heads.num_heads:
+            raise ConfigError(f"--k {k} draft tokens need {k} Medusa heads, but {draft_folder} "
+                              f"has {heads.num_heads}; vLLM would build the missing heads with "
+                              f"uninitialised weights. Export with --k <= {heads.num_heads}.")
+        if (heads.hidden_size, heads.vocab_size) != target_shape:
+            raise ConfigError(f"the Medusa heads read hidden size {heads.hidden_size} and "
+                              f"predict {heads.vocab_size} tokens; the target has "
+                              f"{target_shape[0]} and {target_shape[1]}: export them with the "
+                              "target they were trained on (model.target).")
+
+    def write_export(self, draft_folder, out, k, fmt, verifier) -> None:
+        # heads trained with the target's head frozen share it: written once, as vLLM's
+        # original_lm_head, so the folder is k-1 lm_heads smaller and loads the same heads
+        MedusaHeads.from_pretrained(draft_folder).save_pretrained(out)
+
+    def export_name(self, fmt: str) -> str:
+        return "medusa"
+
+    def check_exported(self, folder) -> None:
+        pass

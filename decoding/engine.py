@@ -3,45 +3,63 @@ with min(1, p/q), resample from max(p - q, 0) at a rejection, bonus token when a
 
 Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
 Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
-of being cropped (serving/kv.py).
+of being cropped (decoding/kv.py). The settings are recipe.DecodeSettings; the draft is anything
+that implements Draft (drafts/ holds every kind).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from serving.drafts import Draft
-from serving.kv import CachedLM
-from serving.speculative import sampling_probs, verify
+from decoding.kv import CachedLM
+from decoding.speculative import sampling_probs, verify
+from recipe import DecodeSettings
 
 
-@dataclass
-class DecodeSettings:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    k: int = 4
-    """Draft tokens per step (the start value when adaptive)."""
-    adaptive_k: bool = False
-    """Tune k online: +2 after a step where every active row accepted all k, else -1,
-    within [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
-    k_max: int = 8
-    stop_strings: tuple[str, ...] = ()
-    """Stop a request once its decoded output contains one of these (kept in the output)."""
+class Sampling(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
 
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.k > 64:
-            raise ValueError(f"k={self.k} must be in [1, 64]: each step verifies k+1 tokens.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 for greedy).")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
-        if self.adaptive_k and not self.k <= self.k_max <= 64:
-            raise ValueError(f"k_max={self.k_max} must be in [k, 64].")
+
+class Draft(Protocol):
+    """What the engine asks of a draft, whatever its kind (drafts/ holds them). A draft proposes
+    k tokens per row with the distribution q each was sampled from; verification keeps the
+    output the target's whatever it proposes."""
+
+    name: str
+    uses_target_hidden: bool
+    """True: start/accept receive target_hidden, the hidden states of the target's last forward
+    (HF output_hidden_states: a tuple of [B, t, H], post-norm last hidden state last)."""
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              first_token: torch.Tensor, target_hidden=None) -> None:
+        """A new batch: prompts [B, T] (left-padded) and the target's first token [B]."""
+
+    def propose(self, k: int, sampling: Sampling, history: list[list[int]]):
+        """-> (tokens [B, k] long, probs [B, k, V] float): what the draft proposes and the
+        distribution q each token was sampled from. history: each row's tokens so far."""
+
+    def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor,
+               target_hidden=None) -> None:
+        """The verification outcome: accepted draft tokens [B] and the token emitted after them;
+        target_hidden covers the verified chunk [pending, d_1..d_k]."""
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
+    """input_ids and attention_mask [B, L_max], each prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        attention_mask[row, width - len(p):] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
 
 
 @dataclass

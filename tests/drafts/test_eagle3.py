@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from recipe import ConfigError
-from serving.eagle3 import (
+from drafts.eagle3 import (
     IGNORE,
     Eagle3Draft,
     Eagle3Head,
@@ -19,11 +19,11 @@ from serving.eagle3 import (
     unroll,
     vocab_maps,
 )
-from serving.engine import DecodeSettings, generate
-from tests.serving.test_engine import _prompts
+from decoding.engine import DecodeSettings, generate
+from tests.decoding.test_engine import _prompts
 from train.data import Example, collate
 from train.features import target_hidden
-from train.models import Eagle3ForTraining
+from drafts.eagle3 import Eagle3ForTraining
 
 VOCAB, EOS, LAYERS, AUX = 256, 2, 4, [1, 2, 3]
 

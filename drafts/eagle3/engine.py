@@ -1,0 +1,122 @@
+"""The EAGLE-3 head in the engine: it proposes a chain of k from the target's features of the
+last verification and keeps its own KV cache of the verified tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from decoding.speculative import sampling_probs
+from drafts.eagle3.head import Eagle3Head, repeat_kv
+from drafts.kind import aux_features
+
+
+class HeadCache:
+    """The head's own KV cache with a slot mask [B, L] (holes for rejected slots, as in
+    serving/kv.py) and each row's next position [B]."""
+
+    def __init__(self, batch: int, head: Eagle3Head, device):
+        attn = head.midlayer.self_attn
+        shape = (batch, attn.num_kv_heads, 0, attn.head_dim)
+        dtype = head.fc.weight.dtype
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def run(self, head: Eagle3Head, embeds, hidden, valid) -> torch.Tensor:
+        """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
+        [B, t, H]."""
+        t = valid.shape[1]
+        steps = valid.long()
+        positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
+        q, k, v, residual = head.project(embeds, hidden, positions)
+        self.keys = torch.cat([self.keys, k], dim=2)
+        self.values = torch.cat([self.values, v], dim=2)
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        length = self.mask.shape[1]
+        slot = torch.arange(length, device=valid.device)
+        query_slot = torch.arange(length - t, length, device=valid.device)
+        allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]  # [B,t,L]
+        allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # a hole sees itself
+        attended = F.scaled_dot_product_attention(
+            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
+            attn_mask=allowed[:, None])
+        self.next_position = self.next_position + steps.sum(1)
+        return head.finish(attended, residual)
+
+    def crop(self, n: int, valid: bool = True) -> None:
+        """Drop the last n slots of every row (valid: they counted as positions)."""
+        if n <= 0:
+            return
+        if valid:
+            self.next_position = self.next_position - self.mask[:, -n:].sum(1)
+        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+        self.mask = self.mask[:, :-n]
+
+
+@dataclass
+class Eagle3Model:
+    """A loaded head with the target embedding it reads tokens through."""
+
+    head: Eagle3Head
+    embedding: nn.Module
+
+
+class Eagle3Draft:
+    """The engine's draft: the head proposes a chain of k from the target's features of the
+    last verification, keeping its own KV cache of the verified tokens."""
+
+    uses_target_hidden = True
+
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
+        self.head, self.embed, self.name = head, embedding, name
+
+    def _features(self, target_hidden) -> torch.Tensor:
+        return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
+            self.head.fc.weight.dtype))
+
+    def _embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens).to(self.head.fc.weight.dtype)
+
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
+        batch = input_ids.shape[0]
+        self.cache = HeadCache(batch, self.head, input_ids.device)
+        following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
+        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+                             attention_mask.bool())
+        self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
+        self.chain = 0
+
+    def propose(self, k, sampling, history):
+        tokens, probs, hidden = [], [], self.hidden
+        for i in range(k):
+            logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
+            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            token = torch.multinomial(q, 1)[:, 0]  # [B] target ids
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                hidden = self.cache.run(self.head, self._embeds(token[:, None]), hidden[:, None],
+                                        torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
+        self.chain = k - 1  # slots to drop once the target has verified
+        self.tokens = torch.stack(tokens, 1)  # [B, k]
+        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token, target_hidden=None):
+        """Replace the chain's slots by the verified tokens' slots, made from the target's
+        features: slot i of the chunk [pending, d_1..d_k] reads d_{i+1} (i < n) or next_token
+        (i = n); slots past n are holes."""
+        self.cache.crop(self.chain)
+        batch, k = self.tokens.shape
+        rows = torch.arange(batch, device=next_token.device)
+        following = torch.cat([self.tokens, next_token[:, None]], dim=1)  # [B, k+1]
+        following[rows, num_accepted] = next_token
+        valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
+        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+                             valid)
+        self.hidden = out[rows, num_accepted]  # [B, H]
+        self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

@@ -1,0 +1,268 @@
+"""The independent draft: a small causal LM with the target's vocabulary and a KV cache of its
+own, distilled from the target.
+
+train.draft: 'layer-truncated:<n>' (the target's embeddings, first n layers, final norm and
+head), 'fresh:<layers>[x<hidden>]' (the target's architecture, random weights), or an HF causal
+LM folder / hub id with the target's vocabulary. eval.draft also takes 'self' (the target
+drafting for itself, the tau = k+1 sanity bound).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from decoding.kv import CachedLM
+from decoding.speculative import sampling_probs
+from drafts.folders import read_config
+from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
+from recipe import ConfigError, TrainConfig
+
+
+# --- initial drafts --------------------------------------------------------------------------
+
+def layer_truncated(target, num_layers: int):
+    """A copy of the target keeping its embeddings, first `num_layers` decoder layers, final norm
+    and head: the cheapest draft that already speaks the target's language (untrained)."""
+    decoder = target.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(target).__name__} keeps no `layers` list in its decoder, so it "
+                          "cannot be layer-truncated: name a draft model instead.")
+    if not 1 <= num_layers < len(layers):
+        raise ConfigError(f"layer-truncated:{num_layers} needs 1 <= n < {len(layers)} (the "
+                          "target's layer count).")
+    draft = copy.deepcopy(target)
+    draft.get_decoder().layers = draft.get_decoder().layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:num_layers]
+    draft.requires_grad_(False)
+    return draft.eval()
+
+
+def fresh(target, num_layers: int, hidden_size: int | None = None):
+    """A randomly initialised model of the target's architecture: num_layers decoder layers and,
+    when given, a narrower hidden size (attention heads and MLP width scale with it)."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    if hidden_size is not None and hidden_size != config.hidden_size:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if hidden_size % head_dim:
+            raise ConfigError(f"fresh draft hidden size {hidden_size} must be a multiple of the "
+                              f"target's head size {head_dim}.")
+        group = config.num_attention_heads // config.num_key_value_heads
+        heads = hidden_size // head_dim
+        config.num_attention_heads = heads
+        config.num_key_value_heads = max(1, heads // group)
+        config.head_dim = head_dim
+        config.intermediate_size = config.intermediate_size * hidden_size // config.hidden_size
+        config.hidden_size = hidden_size
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+class VocabMismatchError(ConfigError):
+    """Draft and target do not share a vocabulary, so draft tokens would mean other words."""
+
+
+def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Refuse a draft whose vocabulary differs from the target's, before any generation."""
+    t_size = target.get_output_embeddings().weight.shape[0]
+    d_size = draft.get_output_embeddings().weight.shape[0]
+    if t_size != d_size:
+        raise VocabMismatchError(f"the draft's vocabulary has {d_size} tokens, the target's "
+                                 f"{t_size}: a draft must use the target's tokenizer.")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise VocabMismatchError("the draft's tokenizer maps tokens to other ids than the "
+                                     "target's: a draft must use the target's tokenizer.")
+
+
+def pretrained_draft(spec: str, target, target_tokenizer, dtype):
+    """An HF causal LM folder / hub id, its vocabulary checked against the target's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    draft = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError):
+        draft_tokenizer = None  # a bare model folder: the vocabulary size check still applies
+    check_same_vocab(target, draft, target_tokenizer, draft_tokenizer)
+    return draft
+
+
+def _positive(text: str, spec: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"train.draft={spec!r}: expected a positive integer, got {text!r}.")
+    return int(text)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+class DraftForTraining(SameVocabulary, nn.Module):
+    """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
+    49k vocabulary the head is the largest matmul, and most positions of a conversation (the
+    prompts) carry no loss."""
+
+    needs_target_hidden = False
+    aux_layers = None
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
+
+    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
+        return [Slot(int(pred_mask.sum()), None, None, None)]
+
+    def forward(self, input_ids, attention_mask, pred_mask,
+                target_hidden: TargetHidden | None = None):
+        hidden = self.lm.get_decoder()(input_ids=input_ids,
+                                       attention_mask=attention_mask).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden[pred_mask])  # [N, V]
+
+
+# --- serving -----------------------------------------------------------------------------------
+
+class ModelDraft:
+    """The engine's draft: the LM proposes k tokens one by one from its own KV cache."""
+
+    uses_target_hidden = False
+
+    def __init__(self, model, name: str = "draft"):
+        self.lm, self.name = CachedLM(model), name
+        self.failures = None  # [B] bool: rows whose draft produced non-finite logits
+
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
+        self.lm.prefill(input_ids, attention_mask)
+        batch = input_ids.shape[0]
+        self.pending = torch.stack([first_token, first_token], dim=1)  # [B, 2]
+        self.pending_valid = torch.tensor([[False, True]] * batch, device=input_ids.device)
+        self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+
+    def propose(self, k, sampling, history):
+        logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
+        tokens, probs = [], []
+        for i in range(k):
+            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+            broken = ~torch.isfinite(logits).all(-1) | self.failures  # [B]
+            if broken.any():  # lossless fallback: propose from a uniform q, count the row
+                self.failures |= broken
+                q[broken] = 1.0 / q.shape[-1]
+            token = torch.multinomial(q, 1)[:, 0]  # [B]
+            tokens.append(token)
+            probs.append(q)
+            if i < k - 1:
+                logits = self.lm.extend(token[:, None], torch.ones_like(token[:, None],
+                                                                         dtype=torch.bool))[:, -1]
+        self.tokens = torch.stack(tokens, 1)  # [B, k]
+        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token, target_hidden=None):
+        k = self.tokens.shape[1]
+        fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
+        self.lm.reject_last(fed - num_accepted.clamp(max=fed))
+        all_accepted = num_accepted == k  # then x_k still has to be fed, before next_token
+        self.pending = torch.stack([torch.where(all_accepted, self.tokens[:, -1], next_token),
+                                    next_token], dim=1)
+        self.pending_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], dim=1)
+
+
+# --- the kind ----------------------------------------------------------------------------------
+
+class Independent:
+    """Any causal LM with the target's vocabulary; the registry's last kind, so it takes every
+    spec and folder no other kind claims."""
+
+    name, description, vllm_method = "independent", "an independent draft model", "draft_model"
+    formats = ("vllm",)
+    hf_assistant = True
+
+    def claims(self, spec: str) -> bool:
+        return True
+
+    def reads_folder(self, config: dict) -> bool:
+        return True
+
+    def check_train(self, cfg: TrainConfig) -> None:
+        kind, _, arg = cfg.draft.partition(":")
+        if kind == "layer-truncated":
+            _positive(arg, cfg.draft)
+        elif kind == "fresh":
+            layers, _, hidden = arg.partition("x")
+            _positive(layers, cfg.draft)
+            if hidden:
+                _positive(hidden, cfg.draft)
+
+    def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
+        spec = cfg.draft
+        kind, _, arg = spec.partition(":")
+        if kind == "layer-truncated":
+            draft = layer_truncated(target, _positive(arg, spec))
+        elif kind == "fresh":
+            layers, _, hidden = arg.partition("x")
+            draft = fresh(target, _positive(layers, spec),
+                          _positive(hidden, spec) if hidden else None)
+        else:
+            try:
+                draft = pretrained_draft(spec, target, tokenizer, torch.float32)
+            except ConfigError:
+                raise  # a vocabulary mismatch already says what is wrong
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"train.draft={spec!r} is not 'layer-truncated:<n>', "
+                                  f"'fresh:<layers>[x<hidden>]', nor a loadable causal LM "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0][:160]}).") \
+                    from None
+        if getattr(draft.config, "final_logit_softcapping", None):
+            raise ConfigError("the draft caps its logits (final_logit_softcapping), which the "
+                              "training forward does not apply: choose another draft "
+                              "architecture.")
+        draft = draft.to(device=target.device, dtype=torch.float32)
+        draft.requires_grad_(True)
+        return draft.train()
+
+    def freeze(self, draft, cfg: TrainConfig) -> None:
+        freeze = cfg.freeze_embeddings
+        if freeze is None:  # fresh embeddings are random and must learn
+            freeze = not cfg.draft.startswith("fresh:")
+        if freeze:
+            draft.get_input_embeddings().requires_grad_(False)
+            draft.get_output_embeddings().requires_grad_(False)
+
+    def wrap(self, draft, cfg: TrainConfig) -> DraftForTraining:
+        return DraftForTraining(draft)
+
+    def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:
+        if spec == "self":
+            return LoadedDraft("target as its own draft", self, target)
+        if spec.startswith("layer-truncated:"):
+            n = _positive(spec.split(":", 1)[1], spec)
+            return LoadedDraft(f"target's first {n} layers (untrained)", self,
+                               layer_truncated(target, n))
+        draft = pretrained_draft(spec, target, tokenizer, dtype).eval().to(device)
+        draft.requires_grad_(False)
+        return LoadedDraft(spec, self, draft)
+
+    def engine_draft(self, loaded: LoadedDraft, name: str) -> ModelDraft:
+        return ModelDraft(loaded.model, name)
+
+    def check_export(self, draft_folder, k, target_shape) -> None:
+        vocab = (read_config(draft_folder) or {}).get("vocab_size")
+        if vocab != target_shape[1]:
+            raise ConfigError(f"the draft's vocabulary has {vocab} tokens, the target's "
+                              f"{target_shape[1]}: a draft must use the target's tokenizer.")
+
+    def write_export(self, draft_folder, out, k, fmt, verifier) -> None:
+        pass  # the HF folder as trained is what vLLM's draft_model and transformers load
+
+    def export_name(self, fmt: str) -> str:
+        return "draft-model"
+
+    def check_exported(self, folder) -> None:
+        pass

@@ -1,0 +1,182 @@
+"""What a draft kind is: the one interface the training loop, the engine, eval and export use.
+
+A kind (an independent LM, Medusa heads, an EAGLE-3 head, prompt lookup, ...) is one module of
+drafts/ implementing DraftKind, listed once in drafts/registry.py. Nothing outside drafts/ asks
+which kind a draft is: it asks the kind.
+
+For training, a kind wraps its draft in a module whose forward returns draft logits [M, Vd]
+only where a loss applies (DDP, FSDP and DeepSpeed wrap that forward), and whose
+`slots(pred_mask)` says which of the batch's N loss positions those M rows are scored against
+and which draft position they serve. The loop then indexes target logits [N, V] and labels [N]
+by the slots, weighs the loss per slot, and fills the predicted-acceptance grid from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from recipe import TrainConfig
+
+
+@dataclass
+class TargetHidden:
+    """What the frozen target computed for a batch, as the draft kinds read it."""
+
+    last: torch.Tensor
+    """[B, T, H] the post-norm last hidden state (the target's logits are its lm_head of it)."""
+    aux: torch.Tensor | None = None
+    """[B, T, len(layers) * H] the hidden states at the layers a head reads, concatenated."""
+    embeds: torch.Tensor | None = None
+    """[B, T, H] the target's embedding of each input token."""
+
+
+def aux_features(hidden_states, layers: list[int]) -> torch.Tensor:
+    """HF output_hidden_states (a tuple of [B, T, H]; index k = the input of decoder layer k)
+    -> the given layers concatenated in layer order, [B, T, len(layers) * H]."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+@dataclass
+class LoadedDraft:
+    """A draft ready to measure or serve: what registry.load_draft returns."""
+
+    name: str
+    """How reports name it (the spec, and what it is)."""
+    kind: DraftKind
+    model: Any
+    """What the kind's engine_draft reads (an HF model, heads, settings)."""
+    max_k: int | None = None
+    """The most draft tokens it proposes per step; None: no limit."""
+    max_k_unit: str = "draft positions"
+    """What max_k counts, for messages (Medusa: 'heads', one token each)."""
+
+
+class DraftKind(Protocol):
+    name: str
+    """Short name (the export folder's)."""
+    description: str
+    """What it is, for reports and the model card ('Medusa heads')."""
+    vllm_method: str | None
+    """vLLM's speculative method for the exported folder; None: vLLM does not serve it."""
+    hf_assistant: bool
+    """transformers' assisted generation can run it (an LM of its own, no target features)."""
+
+    def claims(self, spec: str) -> bool:
+        """Whether a train.draft / eval.draft spec that is not a saved folder names this kind."""
+
+    def reads_folder(self, config: dict) -> bool:
+        """Whether a saved folder, by its config.json, holds this kind."""
+
+    def check_train(self, cfg: TrainConfig) -> None:
+        """Refuse train settings this kind cannot honour (a ConfigError that names the fix)."""
+
+    def build(self, cfg: TrainConfig, target, tokenizer, examples: list, log) -> nn.Module:
+        """The initial trainable fp32 draft on the target's device (the loop seeds the RNG).
+        examples: the training conversations (train.data.Example)."""
+
+    def freeze(self, draft: nn.Module, cfg: TrainConfig) -> None:
+        """Freeze what train.freeze_embeddings asks (None: the kind's default)."""
+
+    def wrap(self, draft: nn.Module, cfg: TrainConfig) -> TrainableDraft:
+        """The module the loop trains (see TrainableDraft)."""
+
+    def load(self, spec: str, target, tokenizer, dtype: torch.dtype,
+             device: torch.device) -> LoadedDraft:
+        """A saved folder, hub id or spec -> a draft checked against the target."""
+
+    def engine_draft(self, loaded: LoadedDraft, name: str):
+        """A fresh decoding.engine.Draft for one engine run."""
+
+    def check_export(self, draft_folder: Path, k: int, target_shape: tuple[int, int]) -> None:
+        """Refuse a trained folder that does not fit the target's (hidden size, vocabulary) or
+        k, before anything is written."""
+
+    def write_export(self, draft_folder: Path, out: Path, k: int, fmt: str,
+                     verifier: str) -> None:
+        """Write what the serving engine loads into out (which already holds a copy of the
+        trained folder); verifier: the target's hub id or path."""
+
+    def export_name(self, fmt: str) -> str:
+        """The export folder's name for format fmt ('vllm', or a kind's own)."""
+
+    def check_exported(self, folder: Path) -> None:
+        """Refuse an exported folder that a serving engine would misread, before it serves it."""
+
+
+class TrainableDraft(Protocol):
+    """What `DraftKind.wrap` returns: an nn.Module with these members."""
+
+    lm: nn.Module
+    """The trained module (an HF model, heads): saved with save_pretrained."""
+    needs_target_hidden: bool
+    """Its forward reads the target's hidden states of the batch."""
+    aux_layers: list[int] | None
+    """The target layers it reads besides the last (HF output_hidden_states indices)."""
+
+    def slots(self, pred_mask: torch.Tensor) -> list[Slot]: ...
+
+    def forward(self, input_ids, attention_mask, pred_mask,
+                target_hidden: TargetHidden | None = None) -> torch.Tensor:
+        """-> draft logits [M, Vd], the slots' rows in order."""
+
+    def restrict(self, target_logits, labels):
+        """Target logits [N, V] and labels [N] -> what the draft's [M, Vd] rows are scored
+        against."""
+
+    def expand(self, draft_logits):
+        """Draft logits [M, Vd] -> [M, V] over the target's vocabulary (for acceptance)."""
+
+
+class SameVocabulary:
+    """Drafts that predict over the target's own vocabulary: nothing to map."""
+
+    def restrict(self, target_logits, labels):
+        return target_logits, labels
+
+    def expand(self, draft_logits):
+        return draft_logits
+
+
+@dataclass
+class Slot:
+    """A run of draft logits scored against some of the batch's N loss positions."""
+
+    count: int
+    """Rows of the draft's output [M, V] that belong to this slot (consecutive, in order)."""
+    rows: torch.Tensor | None
+    """[count] indices into the N loss positions (row-major over pred_mask): the target's
+    distribution and the label each row is scored against. None: all N, in order."""
+    starts: torch.Tensor | None
+    """[count, 2] (row b, position s) of the chain start each row serves: the position whose
+    hidden state the draft read. None: an autoregressive draft, which serves every position."""
+    position: int | None
+    """Draft position j (1-based) in a chain of k; None: every position."""
+    weight: float = 1.0
+
+    def pick(self, per_loss_position: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows of a tensor over the N loss positions ([N, ...]: target logits, labels)
+        that this slot's draft rows are scored against -> [count, ...]."""
+        if per_loss_position is None or self.rows is None:
+            return per_loss_position
+        return per_loss_position[self.rows]
+
+
+def chain_slots(pred_mask: torch.Tensor, positions: int, decay: float) -> list[Slot]:
+    """Draft position j (1-based) read at the target's hidden state h_s predicts x_{s+1+j}: it
+    is scored against the target's distribution at s + j, which must be a loss position (Medusa
+    head j, EAGLE-3 training-time-test step j-1). pred_mask [B, T] -> one slot per position,
+    weighted decay**(j-1)."""
+    loss_positions = pred_mask.nonzero()  # [N, 2] (b, t), row-major like boolean indexing
+    slots = []
+    for j in range(1, positions + 1):
+        keep = loss_positions[:, 1] >= j  # the start s = t - j must exist
+        rows = keep.nonzero()[:, 0]  # [n_j]
+        starts = loss_positions[rows] - torch.tensor([0, j], device=pred_mask.device)  # [n_j, 2]
+        slots.append(Slot(len(rows), rows, starts, j, decay ** (j - 1)))
+    return slots
+

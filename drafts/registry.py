@@ -1,0 +1,63 @@
+"""Every draft kind, in one list: the only place that names them all.
+
+A spec (train.draft, eval.draft) or a saved folder goes to the first kind that claims it; the
+independent draft comes last and takes every causal LM the others do not. A new kind is one
+module implementing drafts.kind.DraftKind plus one line here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafts.eagle3 import Eagle3
+from drafts.folders import read_config
+from drafts.independent import Independent
+from drafts.kind import DraftKind, LoadedDraft
+from drafts.medusa import Medusa
+from drafts.prompt_lookup import PromptLookup
+from recipe import ConfigError, TrainConfig
+
+KINDS: list[DraftKind] = [
+    Medusa(),
+    Eagle3(),
+    PromptLookup(),
+    Independent(),  # last: any causal LM with the target's vocabulary
+]
+
+
+def kind_of(spec: str | Path) -> DraftKind:
+    """The kind a spec names: a saved folder by its config.json, else by the spec string."""
+    config = read_config(spec)
+    if config is not None:
+        return next(kind for kind in KINDS if kind.reads_folder(config))
+    return next(kind for kind in KINDS if kind.claims(str(spec)))
+
+
+def kind_for_method(method: str) -> DraftKind:
+    """The kind exported for vLLM's speculative method `method`."""
+    for kind in KINDS:
+        if kind.vllm_method == method:
+            return kind
+    raise ConfigError(f"no draft kind is served by vLLM's method {method!r}; draftsmith exports "
+                      f"{sorted(k.vllm_method for k in KINDS if k.vllm_method)}.")
+
+
+def check_train_config(cfg: TrainConfig) -> DraftKind:
+    """What train.draft's kind asks of the train section; -> the kind. Run before any stage, so
+    a contradiction fails in seconds, not after stage 1."""
+    kind = kind_of(cfg.draft)
+    kind.check_train(cfg)
+    return kind
+
+
+def load_draft(spec: str, target, tokenizer, dtype: torch.dtype,
+               device: torch.device) -> LoadedDraft:
+    """A draft spec or folder -> the draft, checked against the target, of whatever kind."""
+    return kind_of(spec).load(spec, target, tokenizer, dtype, device)
+
+
+def engine_draft(loaded: LoadedDraft, name: str = "draft"):
+    """A fresh decoding.engine.Draft for one engine run."""
+    return loaded.kind.engine_draft(loaded, name)
