@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from assets.chat import Message, encode, render, tokenize_conversation
 from assets.prompts import Conversation, is_held_out, select_prompts
 from assets.target import load_tokenizer, resolve_target
-from assets.chat import Message, encode, render, tokenize_conversation
 from distill.generate import make_generator, topk_logprobs
 from distill.shards import (
     ShardWriter,

@@ -20,7 +20,6 @@ from drafts.folders import read_config
 from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
 from recipe import ConfigError, TrainConfig
 
-
 # --- initial drafts --------------------------------------------------------------------------
 
 def layer_truncated(target, num_layers: int):

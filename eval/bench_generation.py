@@ -14,10 +14,9 @@ import time
 
 import torch
 
-from assets.prompts import load_sharegpt
-from assets.target import load_target, load_tokenizer, resolve_target
 from assets.chat import render
-from assets.target import end_of_turn_ids
+from assets.prompts import load_sharegpt
+from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from distill.generate import generate_replies
 from recipe import load_config
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 
+from assets.chat import render
 from assets.prompts import load_mtbench
 from assets.target import load_target, load_tokenizer, resolve_target
-from assets.chat import render
-from recipe import load_config
 from decoding.kv import CachedLM
+from recipe import load_config
 
 
 def main() -> None:

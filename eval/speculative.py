@@ -24,6 +24,7 @@ from assets.chat import render
 from assets.prompts import Conversation, load_file, load_mtbench
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from decoding.engine import RequestStats, generate, left_pad
+from distill import load_distilled
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig
 
@@ -70,8 +71,6 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
     if ev.prompts == "mtbench":
         conversations, _ = load_mtbench()
     elif ev.prompts == "held_out":
-        from distill import load_distilled
-
         rows = load_distilled(cfg.run.output_path).get("held_out")
         if rows is None or len(rows) == 0:
             raise ConfigError("eval.prompts=held_out but the stage-1 output has no held-out "
@@ -144,18 +143,17 @@ def run_engine(name, target, prompts, settings: DecodeSettings, eos, pad_id, tok
         result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
         result.draft_seconds, result.verify_seconds = draft_s, verify_s
         result.draft_failures = sum(s.draft_failures for s in stats)
-        d = settings
-        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in [1, {d.k_max}]; "
-                           f"mean k {sum(k_used) / max(len(k_used), 1):.2f}"
-                           if d.adaptive_k else f"fixed k={d.k}")
+        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
+                           f"[1, {settings.k_max}]; mean k "
+                           f"{sum(k_used) / max(len(k_used), 1):.2f}"
+                           if settings.adaptive_k else f"fixed k={settings.k}")
     return result, outputs
 
 
-def run_hf(name, target, prompts, settings, eos, pad_id, tokenizer, assistant=None):
+def run_hf(name, target, prompts, d: DecodeSettings, eos, pad_id, tokenizer, assistant=None):
     """transformers' generate, batch 1, optionally with assisted generation at constant k."""
     from transformers import GenerationConfig
 
-    d = settings
     sampling = (dict(do_sample=True, temperature=d.temperature, top_p=d.top_p, top_k=d.top_k)
                 if d.temperature > 0 else dict(do_sample=False))
     extra = {}

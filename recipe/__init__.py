@@ -16,6 +16,6 @@ from recipe.config import (
     load_config,
 )
 
-__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "DecodeSettings", "EvalConfig", "GenerationConfig",
-           "ModelConfig", "RunConfig", "TrackingConfig",
+__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "DecodeSettings",
+           "EvalConfig", "GenerationConfig", "ModelConfig", "RunConfig", "TrackingConfig",
            "TrainConfig", "cache_root", "load_config"]

@@ -20,7 +20,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from assets.target import resolve_target
 from recipe import Config, ConfigError
+from serving.export import export_folder, target_hub_id
 
 TOKEN_VARIABLE = "HF_TOKEN"
 
@@ -51,9 +53,6 @@ def _staged(folder: Path, repo_id: str, local_target: str | None, target_id: str
 
 def publish(cfg: Config, repo_id: str, folder: Path | None = None, private: bool = False,
             dry_run: bool = False) -> Upload:
-    from assets.target import resolve_target
-    from serving.export import export_folder, target_hub_id
-
     if "/" not in repo_id or repo_id.count("/") > 1:
         raise ConfigError(f"--repo-id {repo_id!r} must be '<user or org>/<name>'.")
     folder = export_folder(cfg, folder)

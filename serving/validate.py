@@ -23,8 +23,13 @@ from pathlib import Path
 
 import torch
 
-from assets.target import (end_of_turn_ids, load_target, load_tokenizer, resolve_target,
-                           vllm_cpu_environment)
+from assets.target import (
+    end_of_turn_ids,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+    vllm_cpu_environment,
+)
 from drafts import engine_draft, kind_for_method, load_draft
 from eval.speculative import load_eval_prompts, run_engine
 from recipe import Config, ConfigError, DecodeSettings, cache_root

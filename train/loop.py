@@ -64,6 +64,20 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
 
+    def advance(self, dist: Dist, batches: list[Batch], loss_sum: float, step_tokens: float,
+                lr: float, grad_norm, started: float) -> dict:
+        """Count a finished optimizer step -> its log entry."""
+        self.optimizer_step += 1
+        self.tokens += int(dist.sum(sum(int(b.attention_mask.sum()) for b in batches)))
+        self.loss_tokens += int(step_tokens)
+        self.train_seconds += time.perf_counter() - started
+        return {"optimizer_step": self.optimizer_step,
+                "loss": dist.sum(loss_sum) / max(step_tokens, 1),
+                "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": self.tokens, "loss_tokens": self.loss_tokens,
+                "tokens_per_s": self.tokens / self.train_seconds,
+                "on_policy_micro_batches": sum(b.on_policy for b in batches)}
+
 
 @dataclass
 class TrainSummary:
@@ -349,38 +363,28 @@ class TargetSignal:
 
 
 def train_draft(cfg: Config, accelerator) -> TrainSummary:
-    """Train cfg.train.draft against the target on this run's stage-1 data; resumable."""
-    out = cfg.run.output_path / "train"
-    final = out / "draft"
-    tcfg = cfg.train
-    if (final / "draftsmith_train.json").is_file():
-        _resume_check(final, cfg)
-        accelerator.print(f"[train] {final} is already trained; not redoing it.")
-        done = json.loads((final / "draftsmith_train.json").read_text())
-        return TrainSummary(final, done["optimizer_steps"], done["before"], done["after"],
-                            done["tokens"], done["loss_tokens"], done["train_seconds"])
-
+    """Train cfg.train.draft, of whatever kind, against the target on this run's stage-1 data;
+    resumes from the last checkpoint and does not redo a finished draft."""
+    out, tcfg = cfg.run.output_path / "train", cfg.train
+    if (out / "draft" / "draftsmith_train.json").is_file():
+        return _already_trained(out / "draft", cfg, accelerator)
     kind = check_train_config(tcfg)
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     data = load_stage1(cfg, resolved.fingerprint)
-    device = accelerator.device
-    target = load_target(resolved, cfg.model.dtype, device)
+    target = load_target(resolved, cfg.model.dtype, accelerator.device)
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
 
     torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
     draft = kind.build(tcfg, target, tokenizer, data.train, accelerator.print)
     kind.freeze(draft, tcfg)
-    if tcfg.lora_rank:
-        draft = _with_lora(draft, tcfg)
-    model = kind.wrap(draft, tcfg)
+    model = kind.wrap(_with_lora(draft, tcfg) if tcfg.lora_rank else draft, tcfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=tcfg.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=tcfg.weight_decay)
     _configure_deepspeed(accelerator, tcfg)
     model, optimizer = accelerator.prepare(model, optimizer)
-    dist = Dist.of(accelerator)
-    state = TrainState()
+    dist, state = Dist.of(accelerator), TrainState()
     accelerator.register_for_checkpointing(state)
     resumed_from = _resume(accelerator, out / "checkpoints", cfg, state)
     if dist.is_main:
@@ -395,7 +399,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                                         dist.rank, dist.world, dist.barrier, accelerator.print)
 
     def held_out_eval() -> dict:
-        result = evaluate_held_out(model, target, held_out, tcfg, device, signal.hidden)
+        model.eval()
+        result = evaluate_held_out(model, target, held_out, tcfg, accelerator.device,
+                                   signal.hidden)
+        model.train()
         accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
                           f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
                           f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
@@ -403,9 +410,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
         return result
 
-    before = held_out_eval() if state.optimizer_step == 0 else None
-    last_eval = before
-    model.train()
+    before = last_eval = held_out_eval() if state.optimizer_step == 0 else None
     while state.optimizer_step < tcfg.max_steps:
         started = time.perf_counter()
         lr = learning_rate(tcfg, state.optimizer_step)
@@ -415,33 +420,30 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                                 eos_ids, pad_id)
         loss_sum, step_tokens, grad_norm = _optimizer_step(
             cfg, accelerator, dist, model, optimizer, batches, signal, state, out)
-        state.optimizer_step += 1
-        state.tokens += int(dist.sum(sum(int(b.attention_mask.sum()) for b in batches)))
-        state.loss_tokens += int(step_tokens)
-        state.train_seconds += time.perf_counter() - started
-        log.write({"optimizer_step": state.optimizer_step,
-                   "loss": dist.sum(loss_sum) / max(step_tokens, 1),
-                   "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                   "tokens": state.tokens, "loss_tokens": state.loss_tokens,
-                   "tokens_per_s": state.tokens / state.train_seconds,
-                   "on_policy_micro_batches": sum(b.on_policy for b in batches)})
+        log.write(state.advance(dist, batches, loss_sum, step_tokens, lr, grad_norm, started))
         done = state.optimizer_step == tcfg.max_steps
         if done or state.optimizer_step % tcfg.eval_every == 0:
-            model.eval()
             last_eval = held_out_eval()
-            model.train()
         if done or state.optimizer_step % tcfg.save_every == 0:
             _save_checkpoint(accelerator, dist, out, state, cfg)
     if last_eval is None:  # resumed at the very end
         last_eval = held_out_eval()
     before = before or next((e["held_out"] for e in log.history
                              if e["optimizer_step"] == 0 and "held_out" in e), None)
-    summary = TrainSummary(final, state.optimizer_step, before, last_eval, state.tokens,
+    summary = TrainSummary(out / "draft", state.optimizer_step, before, last_eval, state.tokens,
                            state.loss_tokens, state.train_seconds, resumed_from, log.history)
     _save_draft(accelerator, dist, model, tokenizer, cfg, summary)
     for tracker in accelerator.trackers:  # not end_training(): it ends the process group
         tracker.finish()
     return summary
+
+
+def _already_trained(final: Path, cfg: Config, accelerator) -> TrainSummary:
+    _resume_check(final, cfg)
+    accelerator.print(f"[train] {final} is already trained; not redoing it.")
+    done = json.loads((final / "draftsmith_train.json").read_text())
+    return TrainSummary(final, done["optimizer_steps"], done["before"], done["after"],
+                        done["tokens"], done["loss_tokens"], done["train_seconds"])
 
 
 def _step_batches(cfg: Config, data, optimizer_step: int, dist: Dist, accelerator, model,

@@ -2,8 +2,14 @@ import json
 
 import pytest
 
-from assets.prompts import (is_held_out, load_file, load_mtbench, load_sharegpt,
-                            stream_decode_json_array, to_conversation)
+from assets.prompts import (
+    is_held_out,
+    load_file,
+    load_mtbench,
+    load_sharegpt,
+    stream_decode_json_array,
+    to_conversation,
+)
 from recipe import ConfigError
 from tests.conftest import chat_records, write_jsonl
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from drafts.independent import ModelDraft
-from drafts.prompt_lookup import PromptLookupDraft
 from decoding.engine import DecodeSettings, generate
+from drafts.independent import ModelDraft
 from drafts.medusa import MedusaDraft, MedusaHeads
+from drafts.prompt_lookup import PromptLookupDraft
 
 VOCAB, EOS = 256, 2
 

@@ -5,10 +5,9 @@ import json
 import pytest
 import torch
 
-from assets.prompts import load_sharegpt
-from assets.target import load_target, resolve_target
 from assets.chat import render, render_text
-from assets.target import end_of_turn_ids
+from assets.prompts import load_sharegpt
+from assets.target import end_of_turn_ids, load_target, resolve_target
 from distill.generate import generate_replies
 from recipe import GenerationConfig, ModelConfig
 

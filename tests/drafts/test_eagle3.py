@@ -4,10 +4,11 @@ against the serving cache, training, save/load, and lossless decoding in the eng
 import pytest
 import torch
 
-from recipe import ConfigError
+from decoding.engine import DecodeSettings, generate
 from drafts.eagle3 import (
     IGNORE,
     Eagle3Draft,
+    Eagle3ForTraining,
     Eagle3Head,
     HeadCache,
     check_aux_layers,
@@ -19,11 +20,10 @@ from drafts.eagle3 import (
     unroll,
     vocab_maps,
 )
-from decoding.engine import DecodeSettings, generate
+from recipe import ConfigError
 from tests.decoding.test_engine import _prompts
 from train.data import Example, collate
 from train.features import target_hidden
-from drafts.eagle3 import Eagle3ForTraining
 
 VOCAB, EOS, LAYERS, AUX = 256, 2, 4, [1, 2, 3]
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from decoding.engine import RequestStats
 from eval.speculative import acceptance, compare, evaluate
 from recipe import load_config
-from decoding.engine import RequestStats
 from tests.conftest import chat_records, write_jsonl
 
 
@@ -120,8 +120,8 @@ def test_more_draft_tokens_than_medusa_heads_is_refused_before_generation(
 
 
 def test_medusa_heads_of_another_target_are_refused(peaked_target, tmp_path):
-    from recipe import ConfigError
     from drafts.medusa import MedusaHeads
+    from recipe import ConfigError
 
     folder = tmp_path / "wrong"
     MedusaHeads(32, 1000, num_heads=2).save_pretrained(folder)

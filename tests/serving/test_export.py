@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
+from drafts.medusa import MedusaHeads
 from recipe import ConfigError, load_config
 from serving.export import export_draft
-from drafts.medusa import MedusaHeads
 
 
 def _cfg(tiny_target, tmp_path):

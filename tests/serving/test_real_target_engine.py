@@ -3,18 +3,15 @@
 import pytest
 import torch
 
-from assets.prompts import load_mtbench
-from assets.target import load_target, resolve_target
 from assets.chat import render
-from assets.target import end_of_turn_ids
-from decoding.engine import left_pad
-from recipe import ModelConfig
-from drafts.independent import ModelDraft
-from drafts.prompt_lookup import PromptLookupDraft
+from assets.prompts import load_mtbench
+from assets.target import end_of_turn_ids, load_target, resolve_target
+from decoding.engine import DecodeSettings, generate, left_pad
 from drafts.eagle3 import Eagle3Draft, Eagle3Head, default_aux_layers
-from decoding.engine import DecodeSettings, generate
+from drafts.independent import ModelDraft, layer_truncated
 from drafts.medusa import MedusaDraft, MedusaHeads
-from drafts.independent import layer_truncated
+from drafts.prompt_lookup import PromptLookupDraft
+from recipe import ModelConfig
 
 pytestmark = pytest.mark.integration
 NEW_TOKENS = 48

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 def run(tmp_path_factory, smollm2_tokenizer):
     """A run folder whose trained draft is the target's first 28 of 30 layers, exported, k=3."""
     from assets.target import load_target, resolve_target
-    from recipe import ModelConfig
     from drafts.independent import layer_truncated
+    from recipe import ModelConfig
 
     out = tmp_path_factory.mktemp("validate") / "run"
     target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
@@ -64,16 +64,14 @@ def eagle_run(tmp_path_factory, smollm2_tokenizer):
     """A run whose EAGLE-3 head (vLLM's default aux layers, 2,048-token draft vocabulary) was
     trained briefly, through the training-time test, on the target's own greedy answers to the
     two eval prompts: a head that is often right there. Exported with k=3."""
-    from assets.target import load_target, resolve_target
-    from assets.target import end_of_turn_ids
+    from assets.target import end_of_turn_ids, load_target, resolve_target
+    from decoding.engine import DecodeSettings, generate
+    from drafts.eagle3 import Eagle3ForTraining, Eagle3Head, default_aux_layers, most_frequent_ids
     from eval.speculative import load_eval_prompts
     from recipe import ModelConfig, TrainConfig
-    from drafts.eagle3 import Eagle3Head, default_aux_layers, most_frequent_ids
-    from decoding.engine import DecodeSettings, generate
     from train.data import Example, collate
     from train.features import target_hidden
     from train.loop import slot_loss, target_logits
-    from drafts.eagle3 import Eagle3ForTraining
 
     out = tmp_path_factory.mktemp("validate-eagle3") / "run"
     cfg = load_config("configs/smollm2-135m-eagle3.yaml", [

@@ -214,8 +214,8 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
 
 def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
     from assets.target import load_target, load_tokenizer, resolve_target
-    from train.data import held_out_batches, load_stage1
     from drafts.independent import DraftForTraining
+    from train.data import held_out_batches, load_stage1
     from train.loop import evaluate_held_out
 
     cfg = tiny_run()

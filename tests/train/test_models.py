@@ -9,11 +9,11 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from recipe import ConfigError, TrainConfig
-from train import accelerator_kwargs, train_draft
 from drafts import check_train_config
 from drafts.independent import DraftForTraining
 from drafts.kind import SameVocabulary, chain_slots
+from recipe import ConfigError, TrainConfig
+from train import accelerator_kwargs, train_draft
 from train.acceptance import acceptance_grid, chain_sums, chained_acceptance
 
 

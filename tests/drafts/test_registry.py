@@ -1,0 +1,62 @@
+"""The registry: every spec and folder goes to its kind, every recipe passes its kind's checks,
+and what no kind can do is refused with a message naming the fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from drafts import KINDS, check_train_config, kind_for_method, kind_of
+from recipe import ConfigError, TrainConfig, load_config
+
+RECIPES = sorted(Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize(("spec", "kind"), [
+    ("layer-truncated:6", "independent"), ("fresh:2x64", "independent"), ("self", "independent"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "independent"), ("medusa:4x1", "medusa"),
+    ("medusa:four", "medusa"), ("eagle3", "eagle3"), ("eagle", "eagle3"),
+    ("prompt-lookup", "prompt-lookup"),
+])
+def test_each_spec_goes_to_its_kind(spec, kind):
+    assert kind_of(spec).name == kind
+
+
+@pytest.mark.parametrize(("config", "kind"), [
+    ({"model_type": "medusa", "architectures": ["MedusaModel"]}, "medusa"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"]}, "eagle3"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "independent"),
+])
+def test_a_saved_folder_goes_to_its_kind_by_its_config(tmp_path, config, kind):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kind_of(tmp_path).name == kind == kind_of(str(tmp_path)).name
+
+
+def test_the_registry_names_each_kind_once_and_the_catch_all_last():
+    names = [k.name for k in KINDS]
+    assert len(set(names)) == len(names) and names[-1] == "independent"
+    assert kind_for_method("eagle3").name == "eagle3"
+    assert kind_for_method("draft_model").name == "independent"
+    with pytest.raises(ConfigError, match="no draft kind is served by vLLM's method 'mlp'"):
+        kind_for_method("mlp")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_loads_and_passes_its_kinds_checks(recipe):
+    cfg = load_config(recipe)
+    assert check_train_config(cfg.train) is kind_of(cfg.train.draft)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"draft": "prompt-lookup"}, "nothing to train"),
+    ({"draft": "eagle"}, "the EAGLE-3 head is 'eagle3'"),
+    ({"draft": "eagle3", "ttt_steps": 2, "eval_k": 3}, "raise ttt_steps"),
+    ({"draft": "eagle3", "lora_rank": 4}, "train.lora_rank=0"),
+    ({"draft": "layer-truncated:zero"}, "expected a positive integer"),
+    ({"draft": "fresh:2x0"}, "expected a positive integer"),
+])
+def test_what_a_kind_cannot_train_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_train_config(TrainConfig(**overrides))
