@@ -40,9 +40,12 @@ class Draft(Protocol):
               first_token: torch.Tensor, target_hidden=None) -> None:
         """A new batch: prompts [B, T] (left-padded) and the target's first token [B]."""
 
-    def propose(self, k: int, sampling: Sampling, history: list[list[int]]):
+    def propose(self, k: int, sampling: Sampling, history: list[list[int]],
+                generator: torch.Generator | None = None):
         """-> (tokens [B, k] long, probs [B, k, V] float): what the draft proposes and the
-        distribution q each token was sampled from. history: each row's tokens so far."""
+        distribution q each token was sampled from. history: each row's tokens so far;
+        generator: the engine's, which every random draw of the draft must use (a seeded run
+        then repeats exactly, whatever else uses the global RNG)."""
 
     def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor,
                target_hidden=None) -> None:
@@ -137,7 +140,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     while not all(done):
         start = time.perf_counter()
         if draft is not None:
-            draft_tokens, draft_probs = draft.propose(k, settings, histories)  # [B,k], [B,k,V]
+            draft_tokens, draft_probs = draft.propose(k, settings, histories, generator)  # [B,k], [B,k,V]
         else:
             draft_tokens = pending.new_empty(batch, 0)
             draft_probs = None

@@ -145,7 +145,7 @@ class ModelDraft:
         self.pending_valid = torch.tensor([[False, True]] * batch, device=input_ids.device)
         self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
         tokens, probs = [], []
         for i in range(k):
@@ -154,7 +154,7 @@ class ModelDraft:
             if broken.any():  # lossless fallback: propose from a uniform q, count the row
                 self.failures |= broken
                 q[broken] = 1.0 / q.shape[-1]
-            token = torch.multinomial(q, 1)[:, 0]  # [B]
+            token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B]
             tokens.append(token)
             probs.append(q)
             if i < k - 1:

@@ -148,7 +148,7 @@ class MedusaDraft:
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         self.hidden = target_hidden[-1][:, -1]  # [B, H] the prompt's last position (left-padded)
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         if k > self.heads.num_heads:
             raise ValueError(f"k={k} draft tokens need {k} Medusa heads, but these heads have "
                              f"{self.heads.num_heads}: set k <= {self.heads.num_heads} or train "
@@ -156,7 +156,8 @@ class MedusaDraft:
         dtype = self.heads.lm_heads[0].weight.dtype
         logits = self.heads(self.hidden.to(dtype), k).transpose(0, 1)  # [B, k, V]
         probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        tokens = torch.multinomial(probs.flatten(0, 1), 1).view(probs.shape[:2])  # [B, k]
+        tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(
+            probs.shape[:2])  # [B, k]
         return tokens, probs
 
     def accept(self, num_accepted, next_token, target_hidden=None):

@@ -45,7 +45,7 @@ class PromptLookupDraft:
                         return following
         return []
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         rows = []
         for h in history:
             found = self.lookup(h, k)

@@ -124,8 +124,8 @@ def run_engine(name, target, prompts, settings: DecodeSettings, eos, pad_id, tok
                draft=None, seed=0) -> tuple[MethodResult, list[list[int]]]:
     """Our engine over the prompts in batches of settings.batch_size, with a draft or without
     (plain decoding) -> the method's result and each prompt's tokens."""
-    generator = torch.Generator().manual_seed(seed)
     device = next(target.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
     outputs, stats, draft_s, verify_s, k_used = [], [], 0.0, 0.0, []
     start = time.perf_counter()
     for batch in _batches(prompts, settings.batch_size):

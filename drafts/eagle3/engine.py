@@ -91,12 +91,12 @@ class Eagle3Draft:
         self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
         self.chain = 0
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         tokens, probs, hidden = [], [], self.hidden
         for i in range(k):
             logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
             q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            token = torch.multinomial(q, 1)[:, 0]  # [B] target ids
+            token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B] target ids
             tokens.append(token)
             probs.append(q)
             if i < k - 1:

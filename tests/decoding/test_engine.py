@@ -126,9 +126,9 @@ class _RecordingMedusa(MedusaDraft):
         super().__init__(heads)
         self.seen = []
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         self.seen.append(([list(h) for h in history], self.hidden.clone()))
-        return super().propose(k, sampling, history)
+        return super().propose(k, sampling, history, generator)
 
 
 def test_medusa_reads_the_hidden_state_of_the_position_that_chose_the_last_token(target):

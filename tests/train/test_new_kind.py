@@ -56,10 +56,11 @@ class UnigramDraft:
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         self.batch = input_ids.shape[0]
 
-    def propose(self, k, sampling, history):
+    def propose(self, k, sampling, history, generator=None):
         q = sampling_probs(self.logits.expand(self.batch, k, -1), sampling.temperature,
                            sampling.top_p, sampling.top_k)  # [B, k, V]
-        return torch.multinomial(q.flatten(0, 1), 1).view(self.batch, k), q
+        tokens = torch.multinomial(q.flatten(0, 1), 1, generator=generator)
+        return tokens.view(self.batch, k), q
 
     def accept(self, num_accepted, next_token, target_hidden=None):
         pass

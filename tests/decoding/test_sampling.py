@@ -1,0 +1,132 @@
+"""Lossless under sampling, end to end: for every draft kind, our engine's sampled outputs follow
+the target's own (temperature, top-p, top-k filtered) distribution over many consecutive steps,
+in a left-padded batch; a deliberately wrong acceptance or resampling rule fails the same test.
+
+The test statistic is the randomized probability integral transform: for each emitted token x_t,
+u_t = F_t(x_t - 1) + U * p_t(x_t) with p_t the target's filtered distribution given the row's
+actual prefix and F_t its CDF. Whatever path a row took, u_t is Uniform(0, 1) and independent
+of u_1..u_{t-1} exactly when x_t ~ p_t, so the pooled u's of all positions and rows must pass a
+chi-square test of uniformity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding import speculative
+from decoding.engine import DecodeSettings, generate
+from decoding.speculative import sampling_probs
+from drafts.eagle3 import Eagle3Draft, Eagle3Head
+from drafts.independent import ModelDraft
+from drafts.medusa import MedusaDraft, MedusaHeads
+from drafts.prompt_lookup import PromptLookupDraft
+
+VOCAB, NEW_TOKENS, K, ROWS, BINS = 8, 12, 3, 2000, 20
+PROMPTS = [[3, 1, 4, 1, 5], [2, 6, 5, 3, 5, 0, 7, 2, 6]]  # two lengths: left padding and holes
+
+
+def _tiny(seed: int, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        pad_token_id=0, initializer_range=0.15)).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _tiny(0)
+
+
+def _draft(kind: str, target):
+    torch.manual_seed(11)
+    if kind == "independent":
+        return ModelDraft(_tiny(5, layers=1))
+    if kind == "medusa":
+        return MedusaDraft(MedusaHeads(32, VOCAB, num_heads=K, num_layers=1).eval())
+    if kind == "eagle3":  # a draft vocabulary without tokens 4 and 7: the target adds them
+        head = Eagle3Head.from_target(target, [0, 1, 1], torch.tensor([0, 1, 2, 3, 5, 6]))
+        with torch.no_grad():
+            head.lm_head.weight.normal_(0, 0.5)
+        return Eagle3Draft(head.eval(), target.get_input_embeddings())
+    return PromptLookupDraft(VOCAB, max_ngram=3, min_ngram=1)
+
+
+def _batch():
+    prompts = [PROMPTS[row % 2] for row in range(ROWS)]
+    width = max(map(len, PROMPTS))
+    ids = torch.zeros(ROWS, width, dtype=torch.long)
+    mask = torch.zeros(ROWS, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return prompts, ids, mask
+
+
+def pit_p_value(target, prompts, outputs, settings: DecodeSettings, seed: int = 0) -> float:
+    """The chi-square p-value of the pooled randomized PIT values of every emitted token."""
+    g = torch.Generator().manual_seed(seed)
+    values = []
+    for prompt in PROMPTS:
+        rows = [o for p, o in zip(prompts, outputs) if p == prompt]
+        seqs = torch.tensor([prompt + o for o in rows])  # [n, P + NEW_TOKENS]
+        with torch.no_grad():
+            logits = target(seqs).logits[:, len(prompt) - 1:-1]  # [n, NEW_TOKENS, V]
+        p = sampling_probs(logits.double(), settings.temperature, settings.top_p, settings.top_k)
+        x = seqs[:, len(prompt):, None]  # [n, NEW_TOKENS, 1]
+        below = (p.cumsum(-1) - p).gather(-1, x)[..., 0]  # F(x - 1)
+        values.append(below + torch.rand(below.shape, generator=g, dtype=torch.float64)
+                      * p.gather(-1, x)[..., 0])
+    u = torch.cat(values).flatten()
+    observed = torch.bincount((u * BINS).long().clamp(max=BINS - 1), minlength=BINS).double()
+    expected = len(u) / BINS
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((BINS - 1) / 2.0), chi2 / 2))
+
+
+def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: int = 0):
+    prompts, ids, mask = _batch()
+    settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=temperature,
+                              top_p=0.9, top_k=6)
+    draft = _draft(kind, target)
+    torch.manual_seed(global_seed)  # the engine's generator alone must decide the samples
+    out = generate(target, ids, mask, settings, {VOCAB + 1}, draft,
+                   generator=torch.Generator().manual_seed(seed))
+    assert all(len(t) == NEW_TOKENS for t in out.tokens)
+    return prompts, out, settings
+
+
+KINDS = ["independent", "medusa", "eagle3", "prompt lookup"]
+BROKEN = {  # wrong rules that a bias check must catch
+    "accept with q/p": ("acceptance_mask", lambda p, q, u: u * p < q),
+    "resample from p": ("residual_distribution", lambda p, q: p),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_draft_kind_samples_the_targets_distribution(target, kind, temperature):
+    prompts, out, settings = _sample(target, kind, temperature)
+    assert min(s.steps for s in out.stats) >= 3  # several verification steps per row
+    accepted = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
+    assert 0.02 < accepted < 0.98  # both acceptance and rejection were exercised
+    assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
+    name, rule = BROKEN[broken]
+    monkeypatch.setattr(speculative, name, rule)
+    prompts, out, settings = _sample(target, kind, 1.0)
+    assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_seeded_run_repeats_exactly_whatever_the_global_rng_does(target, kind):
+    runs = [_sample(target, kind, 1.0, seed=5, global_seed=g)[1].tokens for g in (0, 1)]
+    assert runs[0] == runs[1]
+    assert _sample(target, kind, 1.0, seed=6)[1].tokens != runs[0]
