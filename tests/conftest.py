@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_cache(tmp_path_factory) -> Path:
+    """Every test (and every process a test starts) writes under a temporary cache, never the
+    user's ~/.cache/draftsmith: the converted target, runs, vLLM's compile cache."""
+    cache = tmp_path_factory.mktemp("draftsmith-cache")
+    before = os.environ.get("DRAFTSMITH_CACHE")
+    os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    yield cache
+    if before is None:
+        os.environ.pop("DRAFTSMITH_CACHE", None)
+    else:
+        os.environ["DRAFTSMITH_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

@@ -48,19 +48,63 @@ def _reference(target, prompt, max_new_tokens):
 
 
 
+def _noisy_copy(target, std=0.02):
+    """The target with noise on its weights: a draft that is right often and wrong sometimes."""
+    import copy
+
+    torch.manual_seed(9)
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.model.layers.parameters():
+            p.add_(torch.randn_like(p) * std)
+    return draft
+
+
+def _fitted_medusa(target, num_heads=4, steps=20):
+    """Medusa heads fitted to the target's own greedy continuations of the test prompts: heads
+    that are right often (and, being small, not always)."""
+    import torch.nn.functional as F
+
+    prompts, _, _ = _prompts([5, 17, 9])
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, num_heads=num_heads)
+    data = []
+    for p in prompts:
+        seq = torch.tensor([p + _reference(target, p, 40)])
+        with torch.no_grad():
+            data.append((seq[0], target(seq, output_hidden_states=True).hidden_states[-1][0]))
+    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = 0.0
+        for seq, hidden in data:  # head j at position s predicts seq[s + 2 + j]
+            logits = heads(hidden)  # [heads, T, V]
+            for j in range(num_heads):
+                loss = loss + F.cross_entropy(logits[j, : len(seq) - 2 - j], seq[2 + j:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return heads.eval()
+
+
 def _drafts(target):
     nan_model = _tiny(5)
     nan_model.lm_head.weight.data[0, 0] = float("nan")
     torch.manual_seed(7)
     random_heads = MedusaHeads(64, VOCAB, num_heads=4, num_layers=2).eval()
     return {"self": ModelDraft(target), "other": ModelDraft(_tiny(3)),
+            "noisy copy": ModelDraft(_noisy_copy(target)),
             "prompt lookup": PromptLookupDraft(VOCAB), "nan": ModelDraft(nan_model),
             "medusa": MedusaDraft(MedusaHeads.from_target(target, num_heads=4).eval()),
+            "fitted medusa": MedusaDraft(_fitted_medusa(target)),
             "random medusa": MedusaDraft(random_heads)}
 
 
-@pytest.mark.parametrize("draft_name", ["none", "self", "other", "prompt lookup", "nan",
-                                        "medusa", "random medusa"])
+# drafts meant to be right often: a test with them proves something only if they were
+ACCEPTING = {"self", "noisy copy", "fitted medusa"}
+
+
+@pytest.mark.parametrize("draft_name", ["none", "self", "other", "noisy copy", "prompt lookup",
+                                        "nan", "medusa", "fitted medusa", "random medusa"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculation_equals_target_greedy_batched(target, draft_name, k):
     prompts, ids, mask = _prompts([5, 17, 9])
@@ -69,6 +113,11 @@ def test_greedy_speculation_equals_target_greedy_batched(target, draft_name, k):
     for row, prompt in enumerate(prompts):
         assert out.tokens[row] == _reference(target, prompt, 40), f"row {row}"
     taus = [s.tau for s in out.stats]
+    accepted, drafted = sum(s.accepted for s in out.stats), sum(s.drafted for s in out.stats)
+    if draft_name in ACCEPTING:
+        assert accepted > drafted / 10, (accepted, drafted)  # not a vacuous pass
+    if draft_name in ACCEPTING - {"self"}:
+        assert accepted < drafted  # rejections too: the rollback and the cache holes ran
     if draft_name == "self":
         assert all(t == k + 1 for t in taus)  # the sanity bound: everything accepted
     if draft_name == "nan":

@@ -94,3 +94,12 @@ def test_train_section_reads_yaml_1_1_scalars_and_rejects_bad_losses():
                          ("train.target_logits=topk train.loss=rkl", "reverse KL")]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, bad.split())
+
+
+def test_tests_write_under_a_temporary_cache(temporary_cache):
+    from pathlib import Path
+
+    from recipe import cache_root
+
+    assert cache_root() == temporary_cache
+    assert Path.home() / ".cache" not in cache_root().parents

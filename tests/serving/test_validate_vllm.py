@@ -1,14 +1,35 @@
-"""Integration tier, in real vLLM: an exported independent draft reproduces our engine's
-acceptance inside vLLM, and a corrupted export makes the validation fail."""
+"""Integration tier, in real vLLM: an exported draft of each kind reproduces our engine's
+acceptance inside vLLM, and a corrupted export makes the validation command exit 1."""
+
+import json
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from recipe import load_config
 from serving.export import export_draft
-from serving.validate import validate
+from serving.validate import main, validate
 
 pytestmark = pytest.mark.integration
+SETTINGS = ["eval.num_prompts=2", "eval.max_new_tokens=24"]
+
+
+def _cli(recipe: str, cfg, folder) -> tuple[int, dict]:
+    """serving.validate's command on an export folder -> (exit code, results.json)."""
+    code = main(["--config", recipe, f"run.output_dir={cfg.run.output_path}", *SETTINGS,
+                 "--folder", str(folder), "--enforce-eager"])
+    return code, json.loads((cfg.run.output_path / "validate" / "results.json").read_text())
+
+
+def _corrupt(folder, tmp_path, change) -> object:
+    """A copy of an export folder whose weights went through change(dict) -> dict."""
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    weights = change(load_file(str(broken / "model.safetensors")))
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    return broken
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +44,8 @@ def run(tmp_path_factory, smollm2_tokenizer):
     draft = out / "train" / "draft"
     layer_truncated(target, 28).save_pretrained(draft)
     smollm2_tokenizer.save_pretrained(draft)
-    cfg = load_config("configs/smollm2-135m-independent.yaml", [
-        f"run.output_dir={out}", "eval.num_prompts=2", "eval.max_new_tokens=24"])
+    cfg = load_config("configs/smollm2-135m-independent.yaml", [f"run.output_dir={out}",
+                                                                *SETTINGS])
     return cfg, export_draft(cfg, k=3)
 
 
@@ -38,25 +59,22 @@ def test_vllm_accepts_what_our_engine_accepts(run):
 
 
 def test_a_corrupted_export_fails_the_validation(run, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     cfg, exported = run
-    broken = tmp_path / "broken"
-    shutil.copytree(exported.folder, broken)
-    weights = load_file(str(broken / "model.safetensors"))
-    # the kind of bug an exporter makes: decoder layers written in the wrong order
-    renamed = {}
-    for name, tensor in weights.items():
-        parts = name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            parts[2] = str(27 - int(parts[2]))
-        renamed[".".join(parts)] = tensor
-    save_file(renamed, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    result = validate(cfg, broken, enforce_eager=True)
-    assert not result.ok and result.tau_vllm < result.tau_ours
-    assert result.identical_vllm_texts == 2  # lossless all the same: only the speed suffers
+
+    def reversed_layers(weights):  # an exporter's bug: decoder layers in the wrong order
+        renamed = {}
+        for name, tensor in weights.items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                parts[2] = str(27 - int(parts[2]))
+            renamed[".".join(parts)] = tensor
+        return renamed
+
+    code, result = _cli("configs/smollm2-135m-independent.yaml", cfg,
+                        _corrupt(exported.folder, tmp_path, reversed_layers))
+    assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"]
+    assert any("tau" in f for f in result["failures"])
+    assert result["identical_vllm_texts"] == 2  # lossless all the same: only the speed suffers
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +92,7 @@ def eagle_run(tmp_path_factory, smollm2_tokenizer):
     from train.loop import slot_loss, target_logits
 
     out = tmp_path_factory.mktemp("validate-eagle3") / "run"
-    cfg = load_config("configs/smollm2-135m-eagle3.yaml", [
-        f"run.output_dir={out}", "eval.num_prompts=2", "eval.max_new_tokens=24"])
+    cfg = load_config("configs/smollm2-135m-eagle3.yaml", [f"run.output_dir={out}", *SETTINGS])
     target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
     prompts, _ = load_eval_prompts(cfg, smollm2_tokenizer, 8192)
     eos = end_of_turn_ids(target, smollm2_tokenizer)
@@ -118,17 +135,74 @@ def test_vllm_accepts_what_our_engine_accepts_for_an_eagle3_head(eagle_run):
 def test_a_d2t_from_another_vocabulary_fails_the_validation(eagle_run, tmp_path):
     """d2t and t2d shifted together by one token: consistent with each other, so only serving
     shows that every draft token now means its neighbour."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     cfg, exported = eagle_run
-    broken = tmp_path / "broken"
-    shutil.copytree(exported.folder, broken)
-    weights = load_file(str(broken / "model.safetensors"))
-    weights["d2t"] = weights["d2t"] + 1
-    weights["t2d"] = weights["t2d"].roll(1)
-    save_file(weights, str(broken / "model.safetensors"))
-    result = validate(cfg, broken, enforce_eager=True)
-    assert not result.ok and result.tau_vllm < result.tau_ours
-    assert result.identical_vllm_texts == 2  # lossless all the same
+
+    def shifted(weights):
+        return {**weights, "d2t": weights["d2t"] + 1, "t2d": weights["t2d"].roll(1)}
+
+    code, result = _cli("configs/smollm2-135m-eagle3.yaml", cfg,
+                        _corrupt(exported.folder, tmp_path, shifted))
+    assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"]
+    assert result["identical_vllm_texts"] == 2  # lossless all the same
+
+
+@pytest.fixture(scope="module")
+def medusa_run(tmp_path_factory, smollm2_tokenizer):
+    """A run whose Medusa heads (3 heads, 1 block each, the target's lm_head shared and frozen)
+    were trained briefly on the target's own greedy answers to the two eval prompts: heads that
+    are often right there. Exported with k=3."""
+    from assets.target import end_of_turn_ids, load_target, resolve_target
+    from decoding.engine import DecodeSettings, generate
+    from drafts.medusa import MedusaForTraining, MedusaHeads
+    from eval.speculative import load_eval_prompts
+    from recipe import ModelConfig, TrainConfig
+    from train.data import Example, collate
+    from train.features import target_hidden
+    from train.loop import slot_loss, target_logits
+
+    out = tmp_path_factory.mktemp("validate-medusa") / "run"
+    cfg = load_config("configs/smollm2-135m-medusa.yaml", [f"run.output_dir={out}", *SETTINGS])
+    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
+    prompts, _ = load_eval_prompts(cfg, smollm2_tokenizer, 8192)
+    eos = end_of_turn_ids(target, smollm2_tokenizer)
+    examples = []
+    for i, p in enumerate(prompts):
+        answer = generate(target, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                          DecodeSettings(max_new_tokens=24), eos).tokens[0]
+        examples.append(Example(str(i), p + answer, [0] * len(p) + [1] * len(answer)))
+    batch = collate(examples, smollm2_tokenizer.pad_token_id, 1024)
+    features = target_hidden(target, batch)
+    p_logits = target_logits(target, batch, features)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
+    heads.lm_heads.requires_grad_(False)
+    model = MedusaForTraining(heads, decay=0.8)
+    tcfg = TrainConfig(draft="medusa:3", loss="fkl", eval_k=3)
+    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(60):
+        slots = model.slots(batch.pred_mask)
+        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
+                                                   batch.pred_mask, features),
+                         p_logits, batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    heads.eval().save_pretrained(out / "train" / "draft")
+    return cfg, export_draft(cfg, k=3)
+
+
+def test_vllm_serves_medusa_heads_as_our_engine_does_and_a_swap_fails(medusa_run, tmp_path):
+    cfg, exported = medusa_run
+    recipe = "configs/smollm2-135m-medusa.yaml"
+    code, result = _cli(recipe, cfg, exported.folder)
+    assert code == 0 and result["method"] == "medusa" and result["tau_ours"] > 1.5, result
+    assert result["identical_vllm_texts"] == 2
+
+    def swapped(weights):  # an exporter's bug: heads 1 and 3 written in each other's place
+        return {name.replace("blocks.0.", "blocks.#.").replace("blocks.2.", "blocks.0.")
+                .replace("blocks.#.", "blocks.2."): tensor for name, tensor in weights.items()}
+
+    code, result = _cli(recipe, cfg, _corrupt(exported.folder, tmp_path, swapped))
+    assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"], result
+    assert any("alpha" in f for f in result["failures"])
+    assert result["identical_vllm_texts"] == 2  # lossless all the same
