@@ -9,8 +9,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_vllm_backend_writes_what_the_hf_backend_writes(tmp_path):
-    import vllm  # noqa: F401  (installed by install.sh: a missing vLLM fails, never skips)
     import pyarrow.parquet as pq
+    import vllm  # noqa: F401  (installed by install.sh: a missing vLLM fails, never skips)
     from accelerate import Accelerator
 
     from distill import run_distill
