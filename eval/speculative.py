@@ -13,8 +13,10 @@ speculation and compares the texts character by character and the times.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,10 +46,45 @@ class MethodResult:
     verify_seconds: float | None = None
     draft_failures: int = 0
     k_policy: str | None = None
+    round_tokens_per_s: list[float] = field(default_factory=list)
+    """tokens/s in each round (a round: every method on the same batch of prompts)."""
+    speed: Speed | None = None
+    """Against the target baseline, round by round (None without the 'target' method)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+
+@dataclass
+class Speed:
+    """A method's speedup over plain decoding, computed per round against that round's baseline
+    (so noise that slows one stretch of the run slows both sides of its ratio)."""
+
+    median: float
+    q25: float
+    q75: float
+    rounds: int
+    verdict: str
+    """'faster' when at least 3/4 of the rounds were faster (q25 > 1), 'slower' when at least
+    3/4 were slower (q75 < 1), else 'uncertain'."""
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile of a non-empty list (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def speedup_stats(method_tps: list[float], baseline_tps: list[float]) -> Speed:
+    """Per-round speedups [R] x2 -> their median, quartiles and a verdict."""
+    ratios = [m / b for m, b in zip(method_tps, baseline_tps)]
+    q25, q75 = quantile(ratios, 0.25), quantile(ratios, 0.75)
+    verdict = "faster" if q25 > 1 else "slower" if q75 < 1 else "uncertain"
+    return Speed(quantile(ratios, 0.5), q25, q75, len(ratios), verdict)
 
 
 def acceptance(stats: list[RequestStats]) -> tuple[float, list[float], float]:
@@ -120,37 +157,43 @@ def _batches(prompts, size):
         yield prompts[b : b + size]
 
 
-def run_engine(name, target, prompts, settings: DecodeSettings, eos, pad_id, tokenizer,
-               draft=None, seed=0) -> tuple[MethodResult, list[list[int]]]:
-    """Our engine over the prompts in batches of settings.batch_size, with a draft or without
-    (plain decoding) -> the method's result and each prompt's tokens."""
+@dataclass
+class Run:
+    """One method on one round's prompts."""
+
+    outputs: list[list[int]]
+    stats: list[RequestStats] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    k_used: list[int] = field(default_factory=list)
+
+
+Runner = Callable[[list[list[int]]], Run]
+
+
+def engine_runner(target, settings: DecodeSettings, eos, pad_id, tokenizer, draft=None,
+                  seed=0) -> Runner:
+    """Our engine, with a draft or without (plain decoding), in batches of settings.batch_size;
+    one generator across every call, so a seeded run repeats."""
     device = next(target.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
-    outputs, stats, draft_s, verify_s, k_used = [], [], 0.0, 0.0, []
-    start = time.perf_counter()
-    for batch in _batches(prompts, settings.batch_size):
-        ids, mask = left_pad(batch, pad_id, device)
-        gen = generate(target, ids, mask, settings, eos, draft, generator,
-                       decode=tokenizer.decode)
-        outputs += gen.tokens
-        stats += gen.stats
-        draft_s, verify_s = draft_s + gen.draft_seconds, verify_s + gen.verify_seconds
-        k_used += gen.k_used
-    seconds = time.perf_counter() - start
-    result = MethodResult(name, sum(len(o) for o in outputs), seconds,
-                          [tokenizer.decode(o) for o in outputs])
-    if draft is not None:
-        result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
-        result.draft_seconds, result.verify_seconds = draft_s, verify_s
-        result.draft_failures = sum(s.draft_failures for s in stats)
-        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
-                           f"[1, {settings.k_max}]; mean k "
-                           f"{sum(k_used) / max(len(k_used), 1):.2f}"
-                           if settings.adaptive_k else f"fixed k={settings.k}")
-    return result, outputs
+
+    def run(prompts: list[list[int]]) -> Run:
+        result = Run([])
+        for batch in _batches(prompts, settings.batch_size):
+            ids, mask = left_pad(batch, pad_id, device)
+            gen = generate(target, ids, mask, settings, eos, draft, generator,
+                           decode=tokenizer.decode)
+            result.outputs += gen.tokens
+            result.stats += gen.stats
+            result.draft_seconds += gen.draft_seconds
+            result.verify_seconds += gen.verify_seconds
+            result.k_used += gen.k_used
+        return result
+    return run
 
 
-def run_hf(name, target, prompts, d: DecodeSettings, eos, pad_id, tokenizer, assistant=None):
+def hf_runner(target, d: DecodeSettings, eos, pad_id, tokenizer, assistant=None) -> Runner:
     """transformers' generate, batch 1, optionally with assisted generation at constant k."""
     from transformers import GenerationConfig
 
@@ -165,17 +208,83 @@ def run_hf(name, target, prompts, d: DecodeSettings, eos, pad_id, tokenizer, ass
     config = GenerationConfig(max_new_tokens=d.max_new_tokens, eos_token_id=sorted(eos),
                               pad_token_id=pad_id, **sampling, **extra)
     device = next(target.parameters()).device
-    outputs = []
-    start = time.perf_counter()
-    for prompt in prompts:
-        ids = torch.tensor([prompt], device=device)
-        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                              generation_config=config, assistant_model=assistant,
-                              tokenizer=tokenizer if d.stop_strings else None)
-        outputs.append(out[0, len(prompt):].tolist())
-    seconds = time.perf_counter() - start
-    return MethodResult(name, sum(len(o) for o in outputs), seconds,
-                        [tokenizer.decode(o) for o in outputs]), outputs
+
+    def run(prompts: list[list[int]]) -> Run:
+        outputs = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=config, assistant_model=assistant,
+                                  tokenizer=tokenizer if d.stop_strings else None)
+            outputs.append(out[0, len(prompt):].tolist())
+        return Run(outputs)
+    return run
+
+
+def schedule(methods: list[str], rounds: int) -> list[list[str]]:
+    """The order of the methods in each round: rotated by one per round, so that no method
+    always runs first or last in a round."""
+    n = len(methods)
+    return [methods[r % n:] + methods[: r % n] for r in range(rounds)]
+
+
+@dataclass
+class Measured:
+    """A method's runs and wall-clock seconds, round by round."""
+
+    runs: list[Run] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [o for run in self.runs for o in run.outputs]
+
+    @property
+    def tokens_per_s(self) -> list[float]:
+        return [sum(map(len, run.outputs)) / s for run, s in zip(self.runs, self.seconds)]
+
+
+def measure(runners: dict[str, Runner], rounds: list[list[list[int]]],
+            clock: Callable[[], float] = time.perf_counter, log=print) -> dict[str, Measured]:
+    """Every method on every round's prompts, the methods interleaved (schedule) so that a noisy
+    stretch of the machine hits all of them alike; each run timed alone."""
+    measured = {name: Measured() for name in runners}
+    for r, order in enumerate(schedule(list(runners), len(rounds))):
+        for name in order:
+            start = clock()
+            run = runners[name](rounds[r])
+            measured[name].seconds.append(clock() - start)
+            measured[name].runs.append(run)
+        log(f"[eval] round {r + 1}/{len(rounds)} done", flush=True)
+    return measured
+
+
+def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
+                  drafted: bool) -> MethodResult:
+    outputs = m.outputs
+    result = MethodResult(name, sum(map(len, outputs)), sum(m.seconds),
+                          [tokenizer.decode(o) for o in outputs],
+                          round_tokens_per_s=m.tokens_per_s)
+    if drafted:
+        stats = [s for run in m.runs for s in run.stats]
+        k_used = [k for run in m.runs for k in run.k_used]
+        result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
+        result.draft_seconds = sum(run.draft_seconds for run in m.runs)
+        result.verify_seconds = sum(run.verify_seconds for run in m.runs)
+        result.draft_failures = sum(s.draft_failures for s in stats)
+        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
+                           f"[1, {settings.k_max}]; mean k "
+                           f"{sum(k_used) / max(len(k_used), 1):.2f}"
+                           if settings.adaptive_k else f"fixed k={settings.k}")
+    return result
+
+
+def run_engine(name, target, prompts, settings: DecodeSettings, eos, pad_id, tokenizer,
+               draft=None, seed=0) -> tuple[MethodResult, list[list[int]]]:
+    """Our engine alone over the prompts, in one round -> the result and each prompt's tokens."""
+    runner = engine_runner(target, settings, eos, pad_id, tokenizer, draft, seed)
+    m = measure({name: runner}, [prompts], log=lambda *a, **k: None)[name]
+    return method_result(name, m, tokenizer, settings, draft is not None), m.outputs
 
 
 def _load(cfg: Config, device: torch.device):
@@ -210,41 +319,53 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         others[f"speculative:{draft_label(spec)}"] = other
     lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
 
-    # a short warm-up so the first method does not pay one-off costs
-    generate(target, *left_pad(prompts[:1], pad, device), DecodeSettings(max_new_tokens=4),
-             eos, None)
-    results, reference = {}, None
-    for method in ev.methods:
-        print(f"[eval] {method} on {len(prompts)} prompts ...", flush=True)
-        if method == "target":
-            results[method], reference = run_engine(method, target, prompts, ev, eos, pad,
-                                                    tokenizer, None, cfg.run.seed)
-        elif method == "hf_generate":
-            results[method], out = run_hf(method, target, prompts, ev, eos, pad, tokenizer)
-        elif method == "speculative":
-            results[method], out = run_engine(method, target, prompts, ev, eos, pad,
-                                              tokenizer, engine_draft(draft), cfg.run.seed)
-            for label, other in others.items():
-                print(f"[eval] {label} ({other.name}) on {len(prompts)} prompts ...", flush=True)
-                results[label], other_out = run_engine(label, target, prompts, ev, eos, pad,
-                                                       tokenizer, engine_draft(other),
-                                                       cfg.run.seed)
-                if reference is not None and ev.temperature == 0:
-                    results[label].identical_to_target = sum(
-                        a == b for a, b in zip(other_out, reference))
-        elif method == "hf_assisted" and not draft.kind.hf_assistant:
-            print(f"[eval] hf_assisted skipped: transformers' assisted generation runs an "
-                  f"independent draft LM, not {draft.kind.description}.")
-            continue
-        elif method == "hf_assisted":
-            results[method], out = run_hf(method, target, prompts, ev, eos, pad, tokenizer,
-                                          assistant=draft.model)
-        elif method == "prompt_lookup":
-            results[method], out = run_engine(method, target, prompts, ev, eos, pad,
-                                              tokenizer, engine_draft(lookup, "prompt lookup"),
-                                              cfg.run.seed)
-        if method != "target" and reference is not None and ev.temperature == 0:
-            results[method].identical_to_target = sum(a == b for a, b in zip(out, reference))
+    def runners(settings: DecodeSettings) -> dict[str, tuple[Runner, bool]]:
+        """method -> (its runner, whether it drafts), fresh drafts and generators."""
+        made = {}
+        for method in ev.methods:
+            if method == "target":
+                made[method] = engine_runner(target, settings, eos, pad, tokenizer, None,
+                                             cfg.run.seed), False
+            elif method == "hf_generate":
+                made[method] = hf_runner(target, settings, eos, pad, tokenizer), False
+            elif method == "speculative":
+                made[method] = engine_runner(target, settings, eos, pad, tokenizer,
+                                             engine_draft(draft), cfg.run.seed), True
+                for label, other in others.items():
+                    made[label] = engine_runner(target, settings, eos, pad, tokenizer,
+                                                engine_draft(other), cfg.run.seed), True
+            elif method == "hf_assisted" and draft.kind.hf_assistant:
+                made[method] = hf_runner(target, settings, eos, pad, tokenizer,
+                                         assistant=draft.model), False
+            elif method == "prompt_lookup":
+                made[method] = engine_runner(target, settings, eos, pad, tokenizer,
+                                             engine_draft(lookup, "prompt lookup"),
+                                             cfg.run.seed), True
+        return made
+
+    if "hf_assisted" in ev.methods and not draft.kind.hf_assistant:
+        print(f"[eval] hf_assisted skipped: transformers' assisted generation runs an "
+              f"independent draft LM, not {draft.kind.description}.")
+    torch.manual_seed(cfg.run.seed)  # transformers' sampling draws from the global RNG
+    # warm-up: every method once on a short request, so none pays one-off costs in the timing
+    warm = runners(dataclasses.replace(ev.decoding, max_new_tokens=8))
+    measure({name: runner for name, (runner, _) in warm.items()}, [prompts[:1]],
+            log=lambda *a, **k: None)
+    made = runners(ev.decoding)
+    rounds = list(_batches(prompts, ev.batch_size))
+    print(f"[eval] {', '.join(made)} on {len(prompts)} prompts, interleaved over {len(rounds)} "
+          f"rounds of {ev.batch_size} ...", flush=True)
+    measured = measure({name: runner for name, (runner, _) in made.items()}, rounds)
+    results = {name: method_result(name, measured[name], tokenizer, ev, drafted)
+               for name, (_, drafted) in made.items()}
+    if "target" in results:
+        reference = measured["target"].outputs
+        for name, result in results.items():
+            result.speed = speedup_stats(result.round_tokens_per_s,
+                                         results["target"].round_tokens_per_s)
+            if name != "target" and ev.temperature == 0:
+                result.identical_to_target = sum(
+                    a == b for a, b in zip(measured[name].outputs, reference))
     report = {"target": resolved.name, "dtype": cfg.model.dtype,
               "draft": draft.name if draft else None,
               "prompts": ev.prompts,
@@ -252,9 +373,9 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
               "settings": asdict(ev.decoding),
               "batch_size": ev.batch_size, "device": str(device),
               "threads": torch.get_num_threads(),
+              "rounds": len(rounds),
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
-                              "speedup": (r.tokens_per_s / results["target"].tokens_per_s
-                                          if "target" in results else None)}
+                              "speedup": r.speed.median if r.speed else None}
                           for m, r in results.items()}}
     out_dir = cfg.run.output_path / "eval"
     write_report(report, out_dir)
@@ -272,7 +393,12 @@ def markdown_table(report: dict) -> str:
              f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
              "",
-             "| method | tau | acceptance | alpha_k | tokens/s | speedup | identical to target |",
+             f"speedup: the median over {report.get('rounds', 1)} rounds of the round's tokens/s "
+             "over plain decoding's in the same round (methods interleaved), with the quartiles; "
+             "'uncertain' unless 3/4 of the rounds agree",
+             "",
+             "| method | tau | acceptance | alpha_k | tokens/s | speedup (q25-q75) | "
+             "identical to target |",
              "|---|---|---|---|---|---|---|"]
     for name, r in report["methods"].items():
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
@@ -280,7 +406,9 @@ def markdown_table(report: dict) -> str:
         alpha = " ".join(f"{a:.2f}" for a in r["alpha"]) or "-"
         same = (f"{r['identical_to_target']}/{report['num_prompts']}"
                 if r["identical_to_target"] is not None else "-")
-        speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        sp = r.get("speed")
+        speed = (f"{sp['median']:.2f}x ({sp['q25']:.2f}-{sp['q75']:.2f}, {sp['verdict']})"
+                 if sp and r["method"] != "target" else "1.00x" if sp else "-")
         lines.append(f"| {name} | {tau} | {rate} | {alpha} | {r['tokens_per_s']:.1f} | {speed} "
                      f"| {same} |")
     return "\n".join(lines)

@@ -128,3 +128,20 @@ def test_medusa_heads_of_another_target_are_refused(peaked_target, tmp_path):
     with pytest.raises(ConfigError, match="heads only work on the target they were trained on"):
         evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={folder}", "eval.k=2"),
                  torch.device("cpu"))
+
+
+def test_a_seeded_sampling_eval_repeats_exactly(peaked_target, tmp_path):
+    """Every method, transformers' included, at T > 0 with top-p and top-k: the same seed gives
+    the same texts, and another seed other texts."""
+    def texts(seed):
+        cfg = _cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1", "eval.k=3",
+                   "eval.temperature=0.8", "eval.top_p=0.9", "eval.top_k=20", f"run.seed={seed}")
+        report = evaluate(cfg, torch.device("cpu"))
+        assert set(report["methods"]) == {"target", "hf_generate", "speculative",
+                                          "hf_assisted", "prompt_lookup"}
+        return {name: r["texts"] for name, r in report["methods"].items()}
+
+    first = texts(0)
+    torch.manual_seed(123)  # whatever ran before must not matter
+    assert texts(0) == first
+    assert texts(1) != first
