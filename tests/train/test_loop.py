@@ -14,6 +14,9 @@ from recipe import ConfigError
 from train import TrainingDiverged, accelerator_kwargs, train_draft
 from train.data import checkpoint_name
 
+EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
+          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
+
 
 def _train(cfg):
     return train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
@@ -165,8 +168,22 @@ def test_trackers_write_offline(tiny_run, tracker):
         assert runs and list(runs[0].glob("*.wandb"))
 
 
-def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_run, tmp_path):
-    import os
+KILLED_RUNS = {  # every path whose state a checkpoint must carry
+    "independent": (),
+    "on-policy": ("train.on_policy_fraction=0.5", "train.on_policy_max_new_tokens=8"),
+    "medusa": ("train.draft=medusa:3", "train.loss=fkl"),
+    "eagle3-online": EAGLE3,
+    "eagle3-offline": (*EAGLE3, "train.target_features=offline"),
+    "lora": ("train.lora_rank=4", "train.loss=fkl"),
+    "ddp-2-processes": ("train.gradient_accumulation_steps=4",),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLED_RUNS))
+def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_run, tmp_path,
+                                                                          case):
+    """The pipeline's train stage in its own process, SIGKILLed (with every process it started)
+    once checkpoints exist, then the same command again: the loss curve of the uninterrupted run."""
     import signal
     import subprocess
     import sys
@@ -174,21 +191,26 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     from pathlib import Path
 
     overrides = ["train.max_steps=24", "train.save_every=1", "train.eval_every=100",
-                 "train.warmup_steps=2"]
+                 "train.warmup_steps=2", *KILLED_RUNS[case]]
     reference = tiny_run(*overrides)
     _train(reference)
     expected = _losses(reference.run.output_path)
 
     killed = tmp_path / "killed"
     shutil.copytree(reference.run.output_path, killed,
-                    ignore=shutil.ignore_patterns("train"))  # the stage-1 data only
-    cfg = tiny_run(*overrides, f"run.output_dir={killed}")
+                    ignore=shutil.ignore_patterns("train", "features"))  # the stage-1 data only
     root = Path(__file__).parents[2]
-    command = [sys.executable, str(root / "distill.py"), "--config",
+    launcher = [sys.executable]
+    if case == "ddp-2-processes":  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
+        overrides = [*overrides, "train.gradient_accumulation_steps=2"]
+        launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                    str(root / "configs" / "accelerate" / "ddp-cpu.yaml")]
+    cfg = tiny_run(*overrides, f"run.output_dir={killed}")
+    command = [*launcher, str(root / "distill.py"), "--config",
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
-               *[f"{section}.{key}={value}" for section, values in cfg.to_dict().items()
-                 for key, value in values.items() if section in ("run", "model", "train")
-                 and value is not None and not isinstance(value, list)]]
+               *[f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}"
+                 for section, values in cfg.to_dict().items() for key, value in values.items()
+                 if section in ("run", "model", "train") and value is not None]]
     process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     checkpoints = killed / "train" / "checkpoints"
@@ -196,7 +218,10 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     while not (checkpoints / checkpoint_name(2)).is_dir():
         assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.005)
-    os.kill(process.pid, signal.SIGKILL)
+    import psutil  # torchrun's workers leave the launcher's process group: kill every descendant
+
+    for p in [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]:
+        p.send_signal(signal.SIGKILL)
     process.wait()
     assert not (killed / "train" / "draft").exists()  # killed mid-run, not after it
     last = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
@@ -229,9 +254,6 @@ def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
     assert result["greedy_tau"] == cfg.train.eval_k + 1
     assert result["loss"] == pytest.approx(0.0, abs=1e-5)
 
-
-EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
-          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
 
 
 @pytest.mark.parametrize("features", ["online", "offline"])
