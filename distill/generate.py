@@ -3,6 +3,7 @@ log-probabilities."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from assets.target import end_of_turn_ids, load_target, vllm_cpu_environment
 from decoding.engine import left_pad
+from decoding.speculative import sampling_probs
 from recipe import ConfigError, GenerationConfig, cache_root
 
 
@@ -22,20 +24,56 @@ class Reply:
     """True when the reply ended with an end-of-turn token, False when max_new_tokens cut it."""
 
 
+class RowSeededSampling:
+    """A transformers logits processor that samples each row from its own generator (seeded per
+    conversation): row r's t-th token is argmax(log p + Gumbel noise) with the noise drawn from
+    seeds[r]'s stream, an exact sample of p (Gumbel-max), whatever other rows share the batch.
+    Used with greedy decoding, which then takes that argmax."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = sampling_probs(scores.float(), self.temperature, self.top_p)  # [B, V]
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, dtype=torch.float64)
+                               for g in self.generators]).to(scores.device)  # [B, V]
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+        return torch.where(probs > 0, probs.double().log() + gumbel,
+                           torch.tensor(float("-inf"), dtype=torch.float64,
+                                        device=scores.device)).to(scores.dtype)
+
+
+def conversation_seed(seed: int, conversation_id: str, turn: int) -> int:
+    """The sampling seed of one assistant turn: a function of the run seed, the conversation
+    and the turn only, so a reply does not depend on its batch, its process or a resume."""
+    digest = hashlib.sha256(f"{seed}:{conversation_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
 @torch.no_grad()
 def generate_replies(model, prompts: list[list[int]], gen: GenerationConfig,
-                     eos_ids: set[int], pad_id: int) -> list[Reply]:
-    """One reply per prompt, generated together (greedy or temperature/top_p sampling)."""
+                     eos_ids: set[int], pad_id: int,
+                     seeds: list[int] | None = None) -> list[Reply]:
+    """One reply per prompt, generated together (greedy or temperature/top_p sampling). With
+    seeds (one per prompt) each row samples from its own generator; without, from the global
+    RNG."""
     from transformers import GenerationConfig as HFGenerationConfig
 
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_id, device)
-    sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=0) \
-        if gen.do_sample else dict(do_sample=False)
+    processors = []
+    if gen.do_sample and seeds is not None:
+        processors = [RowSeededSampling(seeds, gen.temperature, gen.top_p)]
+        sampling = dict(do_sample=False)
+    elif gen.do_sample:
+        sampling = dict(do_sample=True, temperature=gen.temperature, top_p=gen.top_p, top_k=0)
+    else:
+        sampling = dict(do_sample=False)
     hf_config = HFGenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=sorted(eos_ids),
                                    pad_token_id=pad_id, **sampling)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         generation_config=hf_config)
+                         generation_config=hf_config, logits_processor=processors or None)
     new_tokens = out[:, input_ids.shape[1]:].tolist()  # [B, <= max_new_tokens]
     replies = []
     for row in new_tokens:
@@ -71,9 +109,8 @@ class HFGenerator:
         self.model, self.gen = model, gen
         self.eos_ids, self.pad_id = end_of_turn_ids(model, tokenizer), tokenizer.pad_token_id
 
-    def replies(self, prompts: list[list[int]], seed: int) -> list[Reply]:
-        torch.manual_seed(seed)
-        return generate_replies(self.model, prompts, self.gen, self.eos_ids, self.pad_id)
+    def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
+        return generate_replies(self.model, prompts, self.gen, self.eos_ids, self.pad_id, seeds)
 
     def close(self) -> None:
         pass
@@ -106,13 +143,13 @@ class VLLMGenerator:
                        dtype=dtype, seed=0, max_model_len=max_model_len,
                        enforce_eager=gen.vllm_enforce_eager)
 
-    def replies(self, prompts: list[list[int]], seed: int) -> list[Reply]:
+    def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         from vllm import SamplingParams
 
-        params = SamplingParams(
+        params = [SamplingParams(
             max_tokens=self.gen.max_new_tokens, seed=seed, stop_token_ids=sorted(self.eos_ids),
             **({"temperature": self.gen.temperature, "top_p": self.gen.top_p}
-               if self.gen.do_sample else {"temperature": 0.0}))
+               if self.gen.do_sample else {"temperature": 0.0})) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
         replies = []

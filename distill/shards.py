@@ -5,8 +5,10 @@ Layout of an output folder:
     config.yaml               the resolved config of the run
     data/train-r0-00000.parquet, data/held_out-r0-00000.parquet, ...
 
-A shard appears only complete (written to a temporary name, then renamed), so a kill at any
-moment leaves whole shards; a re-run skips every conversation id already in one.
+A shard appears only complete (written to a temporary name, then renamed), and shards are
+written at batch boundaries, so a kill at any moment leaves whole shards of whole batches (but
+for the instant between two splits' renames); a re-run skips every conversation id already in
+one and regenerates a batch that is not all written whole, so it computes what it would have.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def read_columns(data_dir: Path, columns: list[str]) -> list[dict[str, Any]]:
 
 
 class ShardWriter:
-    """Buffers rows per split and writes a shard every `shard_size` rows (atomically)."""
+    """Buffers rows per split and, at the end of a batch once `shard_size` rows are buffered,
+    writes every split's shard (each atomically): shards hold whole batches."""
 
     def __init__(self, data_dir: Path, rank: int, shard_size: int, top_k: int):
         self.data_dir, self.rank, self.shard_size = data_dir, rank, shard_size
@@ -75,10 +78,11 @@ class ShardWriter:
                 self.next_index[split] = max(self.next_index[split], int(index) + 1)
 
     def add(self, row: dict[str, Any]) -> None:
-        buffer = self.buffers[row["split"]]
-        buffer.append(row)
-        if len(buffer) >= self.shard_size:
-            self.flush(row["split"])
+        self.buffers[row["split"]].append(row)
+
+    def end_batch(self) -> None:
+        if sum(map(len, self.buffers.values())) >= self.shard_size:
+            self.close()
 
     def flush(self, split: str) -> None:
         rows = self.buffers[split]

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from assets.chat import Message, encode, render, tokenize_conversation
 from assets.prompts import Conversation, is_held_out, select_prompts
 from assets.target import load_tokenizer, resolve_target
-from distill.generate import make_generator, topk_logprobs
+from distill.generate import conversation_seed, make_generator, topk_logprobs
 from distill.shards import (
     ShardWriter,
     identity_differences,
@@ -92,36 +92,41 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         write_manifest(out, {"status": "in_progress", "identity": identity})
         cfg.save(out / "config.yaml")
     done = {row["id"] for row in read_columns(data_dir, ["id"])}
-    pending = sorted((j for j in jobs if j.conversation.id not in done),
-                     key=lambda j: j.first_prompt_len)  # similar lengths batch with less padding
-    mine = pending[accelerator.process_index :: accelerator.num_processes]
+    # the batches are those of an uninterrupted run whatever is done (similar lengths batch with
+    # less padding), so a resumed batch computes exactly what it would have: a batch is skipped
+    # when all of it is written, else generated whole and only its missing rows written
+    ordered = sorted(jobs, key=lambda j: j.first_prompt_len)
+    mine = ordered[accelerator.process_index :: accelerator.num_processes]
+    batch_size = cfg.generation.batch_size
+    batches = [mine[b : b + batch_size] for b in range(0, len(mine), batch_size)]
+    batches = [b for b in batches if any(j.conversation.id not in done for j in b)]
+    pending = sum(j.conversation.id not in done for j in jobs)
     log(f"[distill] {len(jobs)} conversations selected ({len(done)} already written, "
-        f"{len(pending)} to generate), {sum(skipped.values())} skipped {dict(skipped)}; "
+        f"{pending} to generate), {sum(skipped.values())} skipped {dict(skipped)}; "
         f"writing to {data_dir}")
 
     generated_now, tokens, elapsed = 0, 0, 0.0
-    if mine:
+    if batches:
         generator = make_generator(target, tokenizer, cfg, accelerator.device)
         writer = ShardWriter(data_dir, accelerator.process_index, cfg.data.shard_size,
                              cfg.generation.top_k_logprobs)
-        bar = tqdm(total=len(mine), unit="conv", desc="distill",
+        bar = tqdm(total=sum(map(len, batches)), unit="conv", desc="distill",
                    disable=not accelerator.is_local_main_process)
         start, tokens = time.perf_counter(), 0
-        batch_size = cfg.generation.batch_size
-        for b in range(0, len(mine), batch_size):
-            batch = mine[b : b + batch_size]
-            seed = _batch_seed(cfg.run.seed, batch[0].conversation.id)
-            for row in _generate_batch(generator, tokenizer, batch, cfg, limit, seed):
-                writer.add(row)
-                tokens += row["generated_tokens"]
-            generated_now += len(batch)
+        for batch in batches:
+            for row in _generate_batch(generator, tokenizer, batch, cfg, limit):
+                if row["id"] not in done:
+                    writer.add(row)
+                    tokens += row["generated_tokens"]
+                    generated_now += 1
+            writer.end_batch()  # shards hold whole batches: a kill leaves no batch half-written
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
         writer.close()
         generator.close()
         bar.close()
         elapsed = time.perf_counter() - start
-        log(f"[distill] generated {tokens} tokens for {len(mine)} conversations in "
+        log(f"[distill] generated {tokens} tokens for {generated_now} conversations in "
             f"{elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s, {cfg.generation.backend} backend, "
             f"process {accelerator.process_index})")
 
@@ -201,9 +206,10 @@ def _truncate_last_user(tokenizer, messages: list[Message], limit: int):
     return messages, None
 
 
-def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config, limit: int,
-                    seed: int) -> list[dict]:
-    """Generate every conversation of the batch turn by turn; return the output rows."""
+def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config,
+                    limit: int) -> list[dict]:
+    """Generate every conversation of the batch turn by turn; return the output rows. Each turn
+    of each conversation samples with its own seed (conversation_seed)."""
     eos_ids = generator.eos_ids
     messages = [list(job.first_messages) for job in batch]
     finished: list[list[bool]] = [[] for _ in batch]
@@ -228,7 +234,8 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config, limit: 
             rows.append(r)
         if not rows:
             break
-        replies = generator.replies(prompts, seed + turn)
+        seeds = [conversation_seed(cfg.run.seed, batch[r].conversation.id, turn) for r in rows]
+        replies = generator.replies(prompts, seeds)
         for r, reply in zip(rows, replies):
             content_ids = reply.token_ids[:-1] if reply.finished else reply.token_ids
             content = tokenizer.decode(content_ids, skip_special_tokens=False)
@@ -252,10 +259,6 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config, limit: 
             row["topk_ids"], row["topk_logprobs"] = ids.tolist(), logprobs.tolist()
         out.append(row)
     return out
-
-
-def _batch_seed(seed: int, first_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{first_id}".encode()).digest()[:4], "big")
 
 
 def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter, source_stats,

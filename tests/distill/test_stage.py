@@ -141,3 +141,59 @@ def test_bad_config_exits_2_with_the_message(tmp_path):
     result = _run(["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
                    "data.max_promts=3"])
     assert result.returncode == 2 and "valid keys of 'data'" in result.stderr
+
+
+def _rows(out: Path) -> list[dict]:
+    columns = ["id", "split", "messages", "input_ids", "loss_mask", "num_turns",
+               "generated_tokens", "finish_reasons"]
+    return sorted(read_columns(out / "data", columns), key=lambda r: r["id"])
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+def test_killed_three_times_then_resumed_writes_what_an_uninterrupted_run_writes(
+        tiny_target, tmp_path, sampling, processes):
+    """Every reply is a function of its conversation alone (its own seed, its batch as in an
+    uninterrupted run), so SIGKILL at three seeded random points changes nothing written."""
+    import psutil
+
+    n = 36
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(n))
+    extra = ["data.shard_size=2", "generation.batch_size=3", "generation.max_new_tokens=24"]
+    if sampling == "sampled":
+        extra += ["generation.temperature=0.9", "generation.top_p=0.95"]
+    launcher = [sys.executable]
+    if processes == 2:
+        launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                    str(ROOT / "configs" / "accelerate" / "ddp-cpu.yaml")]
+
+    def command(out):
+        return [*launcher, str(ROOT / "distill.py"), *_args(tiny_target, prompts, out, *extra)]
+
+    reference = tmp_path / "reference"
+    done = subprocess.run(command(reference), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    out, rng, kills = tmp_path / "killed", random.Random(f"{sampling}-{processes}"), 0
+    for _ in range(3):
+        proc = subprocess.Popen(command(out), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        wanted = len(shard_files(out / "data")) + rng.randint(1, 3)
+        deadline = time.time() + 300
+        while len(shard_files(out / "data")) < wanted and proc.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a later batch or shard write
+        if proc.poll() is None:
+            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
+                p.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    assert kills == 3, "a run finished before it could be killed: make it longer"
+    assert 0 < len(read_columns(out / "data", ["id"])) < n
+    resumed = subprocess.run(command(out), cwd=ROOT, capture_output=True, text=True,
+                             timeout=600, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+    assert _rows(out) == _rows(reference) and len(_rows(out)) == n
