@@ -130,3 +130,23 @@ def test_a_seeded_run_repeats_exactly_whatever_the_global_rng_does(target, kind)
     runs = [_sample(target, kind, 1.0, seed=5, global_seed=g)[1].tokens for g in (0, 1)]
     assert runs[0] == runs[1]
     assert _sample(target, kind, 1.0, seed=6)[1].tokens != runs[0]
+
+
+if __name__ == "__main__":  # the figures: python -m tests.decoding.test_sampling
+    model = _tiny(0)
+    print("| kind | T | acceptance | p | p, accept with q/p | p, resample from p |")
+    print("|---|---|---|---|---|---|")
+    for kind in KINDS:
+        broken = []
+        for name, (attr, rule) in BROKEN.items():
+            correct = getattr(speculative, attr)
+            setattr(speculative, attr, rule)
+            prompts, out, settings = _sample(model, kind, 1.0)
+            broken.append(pit_p_value(model, prompts, out.tokens, settings))
+            setattr(speculative, attr, correct)
+        for temperature in (0.7, 1.0):
+            prompts, out, settings = _sample(model, kind, temperature)
+            rate = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
+            p = pit_p_value(model, prompts, out.tokens, settings)
+            print(f"| {kind} | {temperature} | {rate:.2f} | {p:.3g} | "
+                  + " | ".join(f"{b:.2g}" for b in broken) + " |")
