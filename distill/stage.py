@@ -91,6 +91,8 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     if accelerator.is_main_process:  # only now: a run that failed before this left no claim
         write_manifest(out, {"status": "in_progress", "identity": identity})
         cfg.save(out / "config.yaml")
+    # no process writes a shard before the manifest exists: shards without one are refused
+    accelerator.wait_for_everyone()
     done = {row["id"] for row in read_columns(data_dir, ["id"])}
     # the batches are those of an uninterrupted run whatever is done (similar lengths batch with
     # less padding), so a resumed batch computes exactly what it would have: a batch is skipped
