@@ -239,7 +239,12 @@ def test_sampling_with_a_head_keeps_the_target_distribution(target):
         p1 = torch.softmax(target(ids).logits[0, -1], -1)  # [V]
         every_first = torch.cat([ids.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
         p2 = torch.softmax(target(every_first).logits[:, -1], -1)  # [V, V]
-    marginal = p1 @ p2
+    marginal = (p1 @ p2).double()
     second = torch.tensor([t[1] for t in out.tokens])
-    freq = torch.bincount(second, minlength=VOCAB).float() / rows
-    assert 0.5 * (freq - marginal).abs().sum() < 0.08
+    # randomized probability integral transform: Uniform(0, 1) iff second ~ marginal (a TVD
+    # bound over 256 tokens from 6,000 samples mostly measures the sampling noise)
+    u = (marginal.cumsum(0) - marginal)[second] + torch.rand(
+        rows, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * marginal[second]
+    counts = torch.bincount((u * 20).long().clamp(max=19), minlength=20).double()
+    chi2 = ((counts - rows / 20) ** 2 / (rows / 20)).sum()
+    assert float(torch.special.gammaincc(torch.tensor(9.5, dtype=torch.float64), chi2 / 2)) > 1e-3
