@@ -96,6 +96,18 @@ def pretrained_draft(spec: str, target, target_tokenizer, dtype):
     return draft
 
 
+def parse_spec(spec: str) -> tuple[str, int | None, int | None]:
+    """'layer-truncated:<n>' -> ('layer-truncated', n, None); 'fresh:<layers>[x<hidden>]' ->
+    ('fresh', layers, hidden or None); anything else -> ('pretrained', None, None)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "layer-truncated":
+        return kind, _positive(arg, spec), None
+    if kind == "fresh":
+        layers, _, hidden = arg.partition("x")
+        return kind, _positive(layers, spec), _positive(hidden, spec) if hidden else None
+    return "pretrained", None, None
+
+
 def _positive(text: str, spec: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"train.draft={spec!r}: expected a positive integer, got {text!r}.")
@@ -190,24 +202,15 @@ class Independent:
         return True
 
     def check_train(self, cfg: TrainConfig) -> None:
-        kind, _, arg = cfg.draft.partition(":")
-        if kind == "layer-truncated":
-            _positive(arg, cfg.draft)
-        elif kind == "fresh":
-            layers, _, hidden = arg.partition("x")
-            _positive(layers, cfg.draft)
-            if hidden:
-                _positive(hidden, cfg.draft)
+        parse_spec(cfg.draft)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         spec = cfg.draft
-        kind, _, arg = spec.partition(":")
+        kind, layers, hidden = parse_spec(spec)
         if kind == "layer-truncated":
-            draft = layer_truncated(target, _positive(arg, spec))
+            draft = layer_truncated(target, layers)
         elif kind == "fresh":
-            layers, _, hidden = arg.partition("x")
-            draft = fresh(target, _positive(layers, spec),
-                          _positive(hidden, spec) if hidden else None)
+            draft = fresh(target, layers, hidden)
         else:
             try:
                 draft = pretrained_draft(spec, target, tokenizer, torch.float32)

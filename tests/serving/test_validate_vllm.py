@@ -32,6 +32,42 @@ def _corrupt(folder, tmp_path, change) -> object:
     return broken
 
 
+def _own_answers(recipe: str, out, tokenizer):
+    """(config, target, batch): the run's config, the real target, and its own greedy answers
+    (24 tokens) to the two eval prompts as a training batch, loss on the answers."""
+    from assets.target import end_of_turn_ids, load_target, resolve_target
+    from decoding.engine import DecodeSettings, generate
+    from eval.speculative import load_eval_prompts
+    from recipe import ModelConfig
+    from train.data import Example, collate
+
+    cfg = load_config(recipe, [f"run.output_dir={out}", *SETTINGS])
+    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
+    prompts, _ = load_eval_prompts(cfg, tokenizer, 8192)
+    eos = end_of_turn_ids(target, tokenizer)
+    examples = []
+    for i, p in enumerate(prompts):
+        answer = generate(target, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                          DecodeSettings(max_new_tokens=24), eos).tokens[0]
+        examples.append(Example(str(i), p + answer, [0] * len(p) + [1] * len(answer)))
+    return cfg, target, collate(examples, tokenizer.pad_token_id, 1024)
+
+
+def _fit(model, tcfg, batch, features, p_logits, lr: float, steps: int = 60) -> None:
+    """A few AdamW steps of the training loop's slot loss on one batch (trainable weights)."""
+    from train.loop import slot_loss
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        slots = model.slots(batch.pred_mask)
+        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
+                                                   batch.pred_mask, features),
+                         p_logits, batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, smollm2_tokenizer):
     """A run folder whose trained draft is the target's first 28 of 30 layers, exported, k=3."""
@@ -82,43 +118,22 @@ def eagle_run(tmp_path_factory, smollm2_tokenizer):
     """A run whose EAGLE-3 head (vLLM's default aux layers, 2,048-token draft vocabulary) was
     trained briefly, through the training-time test, on the target's own greedy answers to the
     two eval prompts: a head that is often right there. Exported with k=3."""
-    from assets.target import end_of_turn_ids, load_target, resolve_target
-    from decoding.engine import DecodeSettings, generate
     from drafts.eagle3 import Eagle3ForTraining, Eagle3Head, default_aux_layers, most_frequent_ids
-    from eval.speculative import load_eval_prompts
-    from recipe import ModelConfig, TrainConfig
-    from train.data import Example, collate
+    from recipe import TrainConfig
     from train.features import target_hidden
-    from train.loop import slot_loss, target_logits
+    from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-eagle3") / "run"
-    cfg = load_config("configs/smollm2-135m-eagle3.yaml", [f"run.output_dir={out}", *SETTINGS])
-    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
-    prompts, _ = load_eval_prompts(cfg, smollm2_tokenizer, 8192)
-    eos = end_of_turn_ids(target, smollm2_tokenizer)
-    examples = []
-    for i, p in enumerate(prompts):
-        answer = generate(target, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
-                          DecodeSettings(max_new_tokens=24), eos).tokens[0]
-        examples.append(Example(str(i), p + answer, [0] * len(p) + [1] * len(answer)))
-    batch = collate(examples, smollm2_tokenizer.pad_token_id, 1024)
+    cfg, target, batch = _own_answers("configs/smollm2-135m-eagle3.yaml", out, smollm2_tokenizer)
     aux = default_aux_layers(target.config.num_hidden_layers)
     features = target_hidden(target, batch, aux)
     p_logits = target_logits(target, batch, features)
     counts = torch.bincount(batch.input_ids.flatten(), minlength=target.config.vocab_size)
     torch.manual_seed(0)
     head = Eagle3Head.from_target(target, aux, most_frequent_ids(counts, 2048))
-    model = Eagle3ForTraining(head, steps=3, decay=0.8)
-    tcfg = TrainConfig(draft="eagle3", loss="fkl", ttt_steps=3, eval_k=3)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    for _ in range(60):
-        slots = model.slots(batch.pred_mask)
-        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
-                                                   batch.pred_mask, features),
-                         p_logits, batch.labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    _fit(Eagle3ForTraining(head, steps=3, decay=0.8),
+         TrainConfig(draft="eagle3", loss="fkl", ttt_steps=3, eval_k=3), batch, features,
+         p_logits, lr=3e-3)
     head.eval().save_pretrained(out / "train" / "draft")
     return cfg, export_draft(cfg, k=3)
 
@@ -151,42 +166,20 @@ def medusa_run(tmp_path_factory, smollm2_tokenizer):
     """A run whose Medusa heads (3 heads, 1 block each, the target's lm_head shared and frozen)
     were trained briefly on the target's own greedy answers to the two eval prompts: heads that
     are often right there. Exported with k=3."""
-    from assets.target import end_of_turn_ids, load_target, resolve_target
-    from decoding.engine import DecodeSettings, generate
     from drafts.medusa import MedusaForTraining, MedusaHeads
-    from eval.speculative import load_eval_prompts
-    from recipe import ModelConfig, TrainConfig
-    from train.data import Example, collate
+    from recipe import TrainConfig
     from train.features import target_hidden
-    from train.loop import slot_loss, target_logits
+    from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-medusa") / "run"
-    cfg = load_config("configs/smollm2-135m-medusa.yaml", [f"run.output_dir={out}", *SETTINGS])
-    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
-    prompts, _ = load_eval_prompts(cfg, smollm2_tokenizer, 8192)
-    eos = end_of_turn_ids(target, smollm2_tokenizer)
-    examples = []
-    for i, p in enumerate(prompts):
-        answer = generate(target, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
-                          DecodeSettings(max_new_tokens=24), eos).tokens[0]
-        examples.append(Example(str(i), p + answer, [0] * len(p) + [1] * len(answer)))
-    batch = collate(examples, smollm2_tokenizer.pad_token_id, 1024)
+    cfg, target, batch = _own_answers("configs/smollm2-135m-medusa.yaml", out, smollm2_tokenizer)
     features = target_hidden(target, batch)
     p_logits = target_logits(target, batch, features)
     torch.manual_seed(0)
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
     heads.lm_heads.requires_grad_(False)
-    model = MedusaForTraining(heads, decay=0.8)
-    tcfg = TrainConfig(draft="medusa:3", loss="fkl", eval_k=3)
-    optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(60):
-        slots = model.slots(batch.pred_mask)
-        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
-                                                   batch.pred_mask, features),
-                         p_logits, batch.labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    _fit(MedusaForTraining(heads, decay=0.8), TrainConfig(draft="medusa:3", loss="fkl", eval_k=3),
+         batch, features, p_logits, lr=1e-2)
     heads.eval().save_pretrained(out / "train" / "draft")
     return cfg, export_draft(cfg, k=3)
 
