@@ -1,4 +1,5 @@
-"""The draft kinds (an independent LM, Medusa heads, an EAGLE-3 head, prompt lookup): one module
+"""The draft kinds (an independent LM, Medusa heads, an EAGLE-3 head, a DFlash block drafter, a
+PARD parallel draft LM, prompt lookup): one module
 each behind drafts.kind.DraftKind, listed in drafts/registry.py. Training, eval, the engine's
 drafts and export all go through these."""
 
@@ -7,10 +8,9 @@ from drafts.registry import (
     KINDS,
     check_train_config,
     engine_draft,
-    kind_for_method,
     kind_of,
     load_draft,
 )
 
 __all__ = ["KINDS", "DraftKind", "LoadedDraft", "TargetHidden", "check_train_config",
-           "engine_draft", "kind_for_method", "kind_of", "load_draft"]
+           "engine_draft", "kind_of", "load_draft"]

@@ -192,6 +192,7 @@ class Independent:
     spec and folder no other kind claims."""
 
     name, description, vllm_method = "independent", "an independent draft model", "draft_model"
+    vllm_options: dict = {}
     formats = ("vllm",)
     hf_assistant = True
 

@@ -63,6 +63,9 @@ class DraftKind(Protocol):
     """What it is, for reports and the model card ('Medusa heads')."""
     vllm_method: str | None
     """vLLM's speculative method for the exported folder; None: vLLM does not serve it."""
+    vllm_options: dict
+    """What vLLM's speculative config needs besides method, model and k (PARD:
+    parallel_drafting)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
 

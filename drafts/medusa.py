@@ -194,6 +194,7 @@ class Medusa:
     """train.draft='medusa:<heads>[x<layers>]'; a folder with model_type 'medusa'."""
 
     name, description, vllm_method, formats = "medusa", "Medusa heads", "medusa", ("vllm",)
+    vllm_options: dict = {}
     hf_assistant = False
 
     def claims(self, spec: str) -> bool:

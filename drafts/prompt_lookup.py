@@ -62,6 +62,7 @@ class PromptLookup:
     """eval.draft='prompt-lookup'."""
 
     name, description, vllm_method, formats = "prompt-lookup", "prompt lookup", None, ()
+    vllm_options: dict = {}
     hf_assistant = False
 
     def claims(self, spec: str) -> bool:

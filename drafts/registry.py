@@ -11,18 +11,22 @@ from pathlib import Path
 
 import torch
 
+from drafts.dflash import DFlash
 from drafts.eagle3 import Eagle3
 from drafts.folders import read_config
 from drafts.independent import Independent
 from drafts.kind import DraftKind, LoadedDraft
 from drafts.medusa import Medusa
+from drafts.pard import Pard
 from drafts.prompt_lookup import PromptLookup
 from recipe import ConfigError, TrainConfig
 
 KINDS: list[DraftKind] = [
     Medusa(),
     Eagle3(),
+    DFlash(),
     PromptLookup(),
+    Pard(),  # before Independent: a PARD folder is also a causal LM
     Independent(),  # last: any causal LM with the target's vocabulary
 ]
 
@@ -33,15 +37,6 @@ def kind_of(spec: str | Path) -> DraftKind:
     if config is not None:
         return next(kind for kind in KINDS if kind.reads_folder(config))
     return next(kind for kind in KINDS if kind.claims(str(spec)))
-
-
-def kind_for_method(method: str) -> DraftKind:
-    """The kind exported for vLLM's speculative method `method`."""
-    for kind in KINDS:
-        if kind.vllm_method == method:
-            return kind
-    raise ConfigError(f"no draft kind is served by vLLM's method {method!r}; draftsmith exports "
-                      f"{sorted(k.vllm_method for k in KINDS if k.vllm_method)}.")
 
 
 def check_train_config(cfg: TrainConfig) -> DraftKind:

@@ -280,12 +280,26 @@ class TrainConfig:
     architecture, random weights), an HF causal LM folder / hub id with the target's vocab, or
     'medusa:<heads>' / 'medusa:<heads>x<layers>' (Medusa heads on the frozen target's last hidden
     state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's),
-    or 'eagle3' (an EAGLE-3 head: one decoder layer on the target's aux features, see below)."""
+    'eagle3' (an EAGLE-3 head: one decoder layer on the target's aux features, see below),
+    'dflash' / 'dflash:<layers>' (a DFlash block drafter on the target's aux features, filling
+    block_size masks in one forward), or 'pard:<independent spec>' (an independent draft trained
+    for parallel drafting: block_size-1 mask tokens after the context, one forward)."""
     head_decay: float = 0.8
-    """Medusa head j / EAGLE-3 training-time-test step j (1-based) weighs head_decay**(j-1)."""
+    """Medusa head j / EAGLE-3 training-time-test step j / DFlash and PARD draft position j
+    (1-based) weighs head_decay**(j-1)."""
+    block_size: int = 4
+    """DFlash / PARD: the draft tokens one forward proposes, which the drafter learns (and the
+    most k it serves)."""
+    block_starts: int = 0
+    """DFlash / PARD: block starts trained per conversation and micro-batch, drawn at random
+    (seeded by the batch); 0: every position of the target's answers."""
+    mask_token_id: int | None = None
+    """DFlash / PARD: the token filling the masked block positions; None: the tokenizer's mask
+    token, else its highest special token that is not BOS/EOS/PAD and never in the data."""
     eagle_aux_layers: list[int] | None = None
-    """EAGLE-3: the target's three feature layers as HF output_hidden_states indices (k = the
-    input of decoder layer k, vLLM's convention); None: vLLM's default (2, n//2, n-3)."""
+    """EAGLE-3 / DFlash: the target's feature layers as HF output_hidden_states indices (k = the
+    input of decoder layer k, vLLM's EAGLE-3 convention; EAGLE-3 takes three); None: vLLM's
+    default (2, n//2, n-3)."""
     draft_vocab_size: int | None = None
     """EAGLE-3: the draft vocabulary, the Vd most frequent target tokens among the training
     labels; None: min(32000, V)."""
@@ -380,6 +394,12 @@ class TrainConfig:
             raise ConfigError("train.max_grad_norm and train.on_policy_temperature must be > 0.")
         if self.lora_rank < 0:
             raise ConfigError(f"train.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA).")
+        if self.block_size < 1 or self.block_starts < 0:
+            raise ConfigError(f"train.block_size={self.block_size} must be >= 1 and "
+                              f"train.block_starts={self.block_starts} >= 0 (0: every start).")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be a token id "
+                              "(>= 0) or null.")
         if self.eval_conversations is not None and self.eval_conversations < 1:
             raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
         # what the draft kind itself asks of these settings is checked by its module

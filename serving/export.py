@@ -96,7 +96,8 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
     method = kind.vllm_method
     cfg.save(tmp / "config.yaml")
-    speculative = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
+    speculative = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k,
+                   **kind.vllm_options}
     (tmp / "vllm_speculative_config.json").write_text(json.dumps(speculative, indent=2) + "\n")
     command = ("python -m vllm.entrypoints.openai.api_server --model "
                f"{shlex.quote(target.path)} --speculative-config "

@@ -32,7 +32,7 @@ from assets.target import (
     resolve_target,
     vllm_cpu_environment,
 )
-from drafts import engine_draft, kind_for_method, load_draft
+from drafts import engine_draft, kind_of, load_draft
 from eval.speculative import load_eval_prompts, run_engine
 from recipe import Config, ConfigError, DecodeSettings, cache_root
 from serving.export import export_folder
@@ -117,7 +117,7 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
     k = speculative["num_speculative_tokens"]
-    kind_for_method(speculative["method"]).check_exported(folder)
+    kind_of(folder).check_exported(folder)
     trained = cfg.run.output_path / "train" / "draft"
     if not (trained / "config.json").is_file():
         raise ConfigError(f"{trained} holds no trained draft to compare vLLM with: run the train "

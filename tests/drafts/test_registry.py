@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from drafts import KINDS, check_train_config, kind_for_method, kind_of
+from drafts import KINDS, check_train_config, kind_of
 from recipe import ConfigError, TrainConfig, load_config
 
 RECIPES = sorted(Path("configs").glob("*.yaml"))
@@ -18,7 +18,8 @@ RECIPES = sorted(Path("configs").glob("*.yaml"))
     ("layer-truncated:6", "independent"), ("fresh:2x64", "independent"), ("self", "independent"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "independent"), ("medusa:4x1", "medusa"),
     ("medusa:four", "medusa"), ("eagle3", "eagle3"), ("eagle", "eagle3"),
-    ("prompt-lookup", "prompt-lookup"),
+    ("prompt-lookup", "prompt-lookup"), ("dflash", "dflash"), ("dflash:2", "dflash"),
+    ("pard:layer-truncated:6", "pard"), ("pard:/some/trained/draft", "pard"),
 ])
 def test_each_spec_goes_to_its_kind(spec, kind):
     assert kind_of(spec).name == kind
@@ -28,6 +29,8 @@ def test_each_spec_goes_to_its_kind(spec, kind):
     ({"model_type": "medusa", "architectures": ["MedusaModel"]}, "medusa"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"]}, "eagle3"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "independent"),
+    ({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}, "dflash"),
+    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "pard_token": 16}, "pard"),
 ])
 def test_a_saved_folder_goes_to_its_kind_by_its_config(tmp_path, config, kind):
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -37,10 +40,6 @@ def test_a_saved_folder_goes_to_its_kind_by_its_config(tmp_path, config, kind):
 def test_the_registry_names_each_kind_once_and_the_catch_all_last():
     names = [k.name for k in KINDS]
     assert len(set(names)) == len(names) and names[-1] == "independent"
-    assert kind_for_method("eagle3").name == "eagle3"
-    assert kind_for_method("draft_model").name == "independent"
-    with pytest.raises(ConfigError, match="no draft kind is served by vLLM's method 'mlp'"):
-        kind_for_method("mlp")
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
@@ -56,6 +55,12 @@ def test_every_recipe_loads_and_passes_its_kinds_checks(recipe):
     ({"draft": "eagle3", "lora_rank": 4}, "train.lora_rank=0"),
     ({"draft": "layer-truncated:zero"}, "expected a positive integer"),
     ({"draft": "fresh:2x0"}, "expected a positive integer"),
+    ({"draft": "dflash:0"}, "positive layer count"),
+    ({"draft": "dflash", "block_size": 2, "eval_k": 3}, "raise block_size"),
+    ({"draft": "dflash", "target_logits": "topk"}, "train.target_logits=online"),
+    ({"draft": "pard:"}, "names no draft"),
+    ({"draft": "pard:layer-truncated:x"}, "expected a positive integer"),
+    ({"draft": "pard:layer-truncated:2", "block_size": 3, "eval_k": 4}, "raise block_size"),
 ])
 def test_what_a_kind_cannot_train_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

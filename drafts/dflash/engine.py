@@ -1,0 +1,73 @@
+"""The DFlash drafter in our engine: one draft forward per step proposes the whole block of k,
+from the context the target's verified tokens left in the drafter's cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from decoding.speculative import sampling_probs
+from drafts.dflash.head import DFlashHead
+from drafts.kind import aux_features
+
+
+class DFlashDraft:
+    """Per layer a cache of context keys/values made from the target's hidden states of every
+    verified token, with a slot mask [B, L] (holes for rejected slots, as decoding/kv.py) and
+    each row's next position [B]. The block itself is never cached: it is recomputed from
+    [pending, mask x k] at every step, as vLLM does."""
+
+    uses_target_hidden = True
+
+    def __init__(self, head: DFlashHead, embedding: nn.Module, name: str = "dflash"):
+        self.head, self.embed, self.name = head, embedding, name
+
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
+        batch, device = input_ids.shape[0], input_ids.device
+        attn = self.head.layers[0].self_attn
+        empty = torch.zeros(batch, attn.num_kv_heads, 0, attn.head_dim,
+                            dtype=self.head.fc.weight.dtype, device=device)
+        self.keys = [empty] * len(self.head.layers)
+        self.values = [empty] * len(self.head.layers)
+        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+        self._add_context(target_hidden, attention_mask.bool())
+        self.pending = first_token
+
+    def _add_context(self, target_hidden, valid: torch.Tensor) -> None:
+        """The target's hidden states of t new slots [B, t] (valid: real tokens) -> context."""
+        steps = valid.long()
+        positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
+        aux = aux_features(target_hidden, self.head.aux_layers).to(self.head.fc.weight.dtype)
+        for i, (k, v) in enumerate(self.head.contexts(aux, positions)):
+            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
+            self.values[i] = torch.cat([self.values[i], v], dim=2)
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        self.next_position = self.next_position + steps.sum(1)
+
+    def propose(self, k, sampling, history, generator=None):
+        head, batch = self.head, self.pending.shape[0]
+        dtype = head.fc.weight.dtype
+        block = torch.cat([self.embed(self.pending)[:, None].to(dtype),
+                           head.mask_embedding.expand(batch, k, -1)], 1)[:, None]  # [B,1,k+1,H]
+        positions = (self.next_position[:, None] + torch.arange(k + 1, device=block.device))
+        out = head.blocks(block, positions[:, None], list(zip(self.keys, self.values)),
+                          self.mask[:, None])  # [B, 1, k+1, H]
+        logits = head.lm_head(out[:, 0, 1:])  # [B, k, V]: mask j fills draft position j
+        q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        tokens = torch.multinomial(q.reshape(batch * k, -1), 1, generator=generator)
+        self.tokens = tokens.view(batch, k)
+        return self.tokens, q  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token, target_hidden=None):
+        """The verified chunk [pending, d_1..d_k]: its first n+1 slots become context (the
+        target's hidden states of the tokens it kept), the rest holes; next_token is pending."""
+        k = self.tokens.shape[1]
+        valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
+        self._add_context(target_hidden, valid)
+        holes = k - int(num_accepted.max())  # trailing slots no row kept
+        if holes:
+            self.keys = [x[:, :, :-holes] for x in self.keys]
+            self.values = [x[:, :, :-holes] for x in self.values]
+            self.mask = self.mask[:, :-holes]
+        self.pending = next_token

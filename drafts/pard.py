@@ -1,0 +1,182 @@
+"""PARD (parallel draft model): an independent draft LM that proposes k tokens in ONE forward.
+
+After the context [.. x_p] come k-1 copies of a mask token at positions p+1..p+k-1; the LM's
+output at x_p predicts x_{p+1} as usual and its output at mask m predicts x_{p+1+m}. Attention
+stays causal, so an ordinary causal LM serves it: vLLM's `draft_model` method with
+`parallel_drafting: true` reads the mask token from the draft's config.json (`pard_token`).
+
+train.draft='pard:<independent spec>' ('pard:layer-truncated:6', or a trained independent draft
+folder): the independent draft, trained on its ordinary next-token positions (draft position 1
+at every loss position) plus blocks of masks after train.block_starts starts per conversation
+(drafts.parallel.pard_layout: one forward, a 4D attention mask keeps each block to its own
+prefix). Target-independent within a tokenizer family, as the independent draft is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from decoding.kv import CachedLM
+from decoding.speculative import sampling_probs
+from drafts.folders import read_config
+from drafts.independent import Independent, parse_spec, pretrained_draft
+from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, chain_slots
+from drafts.parallel import block_plan, check_mask_token, pard_layout, pick_mask_token
+from recipe import ConfigError, TrainConfig
+
+PREFIX = "pard:"
+
+
+class PardForTraining(SameVocabulary, nn.Module):
+    """Draft position 1 at every loss position (the LM's own next-token output), positions
+    2..k at the masks of each planned block; position j weighs decay**(j-1)."""
+
+    needs_target_hidden = False
+    aux_layers = None
+
+    def __init__(self, lm: nn.Module, k: int, decay: float, starts_per_row: int, mask_id: int):
+        super().__init__()
+        self.lm, self.k, self.decay = lm, k, decay
+        self.starts_per_row, self.mask_id = starts_per_row, mask_id
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)
+
+    def plan(self, pred_mask):
+        return block_plan(pred_mask, self.k, self.starts_per_row)
+
+    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
+        return chain_slots(pred_mask, 1, 1.0) + self.plan(pred_mask).slots(
+            pred_mask, self.decay, first=2)
+
+    def forward(self, input_ids, attention_mask, pred_mask,
+                target_hidden: TargetHidden | None = None):
+        plan, length = self.plan(pred_mask), input_ids.shape[1]
+        ids, positions, mask = pard_layout(input_ids, attention_mask, plan, self.k, self.mask_id)
+        hidden = self.lm.get_decoder()(input_ids=ids, attention_mask=mask,
+                                       position_ids=positions).last_hidden_state
+        first = pred_mask.clone()
+        first[:, 0] = False  # position 1 of start t-1 needs t >= 1 (chain_slots' rows)
+        rows = [hidden[:, :length][first]]  # [n_1, H]
+        if self.k > 1:
+            masks = hidden[:, length:].view(*plan.starts.shape, self.k - 1, -1)  # [B, S, k-1, H]
+            rows += [masks[:, :, j - 2][plan.scored[j - 1]] for j in range(2, self.k + 1)]
+        return self.lm.get_output_embeddings()(torch.cat(rows))  # [M, V]
+
+
+class ParallelModelDraft:
+    """The engine's draft: one forward over [the tokens verified since the last step, mask x
+    (k-1)] proposes k tokens; the masks are dropped from its KV cache right after."""
+
+    uses_target_hidden = False
+    failures = None
+
+    def __init__(self, model, mask_id: int, name: str = "pard"):
+        self.model, self.mask_id, self.name = model, mask_id, name
+
+    def start(self, input_ids, attention_mask, first_token, target_hidden=None):
+        self.lm = CachedLM(self.model)
+        self.lm.prefill(input_ids, attention_mask)
+        self.pending = first_token[:, None]  # [B, w]: fed before the masks
+        self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
+
+    def propose(self, k, sampling, history, generator=None):
+        batch = self.pending.shape[0]
+        masks = self.pending.new_full((batch, k - 1), self.mask_id)
+        logits = self.lm.extend(torch.cat([self.pending, masks], 1), torch.cat(
+            [self.pending_valid, torch.ones_like(masks, dtype=torch.bool)], 1))[:, -k:]
+        self.lm.reject_last(torch.full((batch,), k - 1, device=masks.device))
+        q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        self.tokens = torch.multinomial(q.reshape(batch * k, -1), 1,
+                                        generator=generator).view(batch, k)
+        return self.tokens, q  # [B, k], [B, k, V]
+
+    def accept(self, num_accepted, next_token, target_hidden=None):
+        """Next step feeds the accepted d_1..d_n and next_token (the rejected ones as holes)."""
+        k = self.tokens.shape[1]
+        self.pending = torch.cat([self.tokens, next_token[:, None]], 1)  # [B, k+1]
+        index = torch.arange(k + 1, device=next_token.device)[None]
+        self.pending_valid = (index < num_accepted[:, None]) | (index == k)
+
+
+class Pard:
+    """An independent draft LM trained to fill k-1 mask tokens after its context."""
+
+    name, description, vllm_method = "pard", "a PARD parallel draft model", "draft_model"
+    vllm_options = {"parallel_drafting": True}
+    formats = ("vllm",)
+    hf_assistant = False  # transformers would run it one token at a time, without its masks
+
+    def claims(self, spec: str) -> bool:
+        return spec.startswith(PREFIX)
+
+    def reads_folder(self, config: dict) -> bool:
+        return "pard_token" in config
+
+    def _inner(self, cfg: TrainConfig) -> TrainConfig:
+        return dataclasses.replace(cfg, draft=cfg.draft.removeprefix(PREFIX))
+
+    def check_train(self, cfg: TrainConfig) -> None:
+        inner = cfg.draft.removeprefix(PREFIX)
+        if not inner:
+            raise ConfigError("train.draft='pard:' names no draft: write 'pard:layer-truncated:6' "
+                              "or 'pard:<a trained independent draft folder>'.")
+        parse_spec(inner)
+        if not 0.0 < cfg.head_decay <= 1.0:
+            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+        if cfg.eval_k > cfg.block_size:
+            raise ConfigError(f"train.eval_k={cfg.eval_k} exceeds train.block_size="
+                              f"{cfg.block_size}, the draft positions PARD learns: lower eval_k "
+                              "or raise block_size.")
+
+    def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
+        draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        mask_id = (check_mask_token(cfg.mask_token_id, vocab) if cfg.mask_token_id is not None
+                   else pick_mask_token(tokenizer, vocab, examples))
+        draft.config.pard_token = mask_id
+        draft.config.pard_trained_k = cfg.block_size
+        log(f"[train] PARD on {cfg.draft.removeprefix(PREFIX)}: k = {cfg.block_size} per forward "
+            f"(mask token {mask_id} {tokenizer.convert_ids_to_tokens(mask_id)!r}), "
+            f"{'every start' if cfg.block_starts == 0 else f'{cfg.block_starts} starts'} per "
+            "conversation")
+        return draft
+
+    def freeze(self, draft, cfg: TrainConfig) -> None:
+        Independent().freeze(draft, self._inner(cfg))
+
+    def wrap(self, draft, cfg: TrainConfig) -> PardForTraining:
+        return PardForTraining(draft, cfg.block_size, cfg.head_decay, cfg.block_starts,
+                               draft.config.pard_token)
+
+    def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:
+        draft = pretrained_draft(spec, target, tokenizer, dtype).eval().to(device)
+        draft.requires_grad_(False)
+        vocab = target.get_output_embeddings().weight.shape[0]
+        check_mask_token(draft.config.pard_token, vocab, f"{spec}: pard_token")
+        k = getattr(draft.config, "pard_trained_k", None)
+        return LoadedDraft(f"{spec} (PARD, trained for k <= {k})", self, draft, max_k=k,
+                           max_k_unit="trained parallel positions")
+
+    def engine_draft(self, loaded: LoadedDraft, name: str) -> ParallelModelDraft:
+        return ParallelModelDraft(loaded.model, loaded.model.config.pard_token, name)
+
+    def check_export(self, draft_folder, k, target_shape) -> None:
+        Independent().check_export(draft_folder, k, target_shape)
+        trained = (read_config(draft_folder) or {}).get("pard_trained_k")
+        if trained is not None and k > trained:
+            raise ConfigError(f"--k {k}: the draft was trained for {trained} parallel positions; "
+                              f"export with --k <= {trained} or train with a larger "
+                              "train.block_size.")
+
+    def write_export(self, draft_folder, out, k, fmt, verifier) -> None:
+        pass  # the HF folder with pard_token in its config is what vLLM loads
+
+    def export_name(self, fmt: str) -> str:
+        return "pard"
+
+    def check_exported(self, folder) -> None:
+        config = read_config(folder) or {}
+        check_mask_token(int(config.get("pard_token", -1)), config.get("vocab_size", 0),
+                         f"{folder}: pard_token")
