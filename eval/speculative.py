@@ -44,6 +44,8 @@ class MethodResult:
     acceptance_rate: float | None = None
     draft_seconds: float | None = None
     verify_seconds: float | None = None
+    draft_ms_per_step: float | None = None
+    """The draft's time per engine step (one step drafts for the whole batch)."""
     draft_failures: int = 0
     k_policy: str | None = None
     round_tokens_per_s: list[float] = field(default_factory=list)
@@ -271,6 +273,7 @@ def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
         result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
         result.draft_seconds = sum(run.draft_seconds for run in m.runs)
         result.verify_seconds = sum(run.verify_seconds for run in m.runs)
+        result.draft_ms_per_step = 1000 * result.draft_seconds / max(len(k_used), 1)
         result.draft_failures = sum(s.draft_failures for s in stats)
         result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
                            f"[1, {settings.k_max}]; mean k "
@@ -397,9 +400,9 @@ def markdown_table(report: dict) -> str:
              "over plain decoding's in the same round (methods interleaved), with the quartiles; "
              "'uncertain' unless 3/4 of the rounds agree",
              "",
-             "| method | tau | acceptance | alpha_k | tokens/s | speedup (q25-q75) | "
-             "identical to target |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | tau | acceptance | alpha_k | draft ms/step | tokens/s | "
+             "speedup (q25-q75) | identical to target |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in report["methods"].items():
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
@@ -409,8 +412,10 @@ def markdown_table(report: dict) -> str:
         sp = r.get("speed")
         speed = (f"{sp['median']:.2f}x ({sp['q25']:.2f}-{sp['q75']:.2f}, {sp['verdict']})"
                  if sp and r["method"] != "target" else "1.00x" if sp else "-")
-        lines.append(f"| {name} | {tau} | {rate} | {alpha} | {r['tokens_per_s']:.1f} | {speed} "
-                     f"| {same} |")
+        draft_ms = (f"{r['draft_ms_per_step']:.1f}" if r.get("draft_ms_per_step") is not None
+                    else "-")
+        lines.append(f"| {name} | {tau} | {rate} | {alpha} | {draft_ms} | "
+                     f"{r['tokens_per_s']:.1f} | {speed} | {same} |")
     return "\n".join(lines)
 
 

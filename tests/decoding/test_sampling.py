@@ -17,9 +17,11 @@ import torch
 from decoding import speculative
 from decoding.engine import DecodeSettings, generate
 from decoding.speculative import sampling_probs
+from drafts.dflash import DFlashDraft, DFlashHead
 from drafts.eagle3 import Eagle3Draft, Eagle3Head
 from drafts.independent import ModelDraft
 from drafts.medusa import MedusaDraft, MedusaHeads
+from drafts.pard import ParallelModelDraft
 from drafts.prompt_lookup import PromptLookupDraft
 
 VOCAB, NEW_TOKENS, K, ROWS, BINS = 8, 12, 3, 2000, 20
@@ -52,6 +54,13 @@ def _draft(kind: str, target):
         with torch.no_grad():
             head.lm_head.weight.normal_(0, 0.5)
         return Eagle3Draft(head.eval(), target.get_input_embeddings())
+    if kind == "dflash":  # one block of K masks per step, from the target's context
+        head = DFlashHead.from_target(target, [1], 1, mask_token_id=7, block_size=K)
+        with torch.no_grad():
+            head.lm_head.weight.normal_(0, 0.5)
+        return DFlashDraft(head.eval(), target.get_input_embeddings())
+    if kind == "pard":  # another tiny LM, K tokens per forward with K-1 masks (token 7)
+        return ParallelModelDraft(_tiny(5, layers=1), mask_id=7)
     return PromptLookupDraft(VOCAB, max_ngram=3, min_ngram=1)
 
 
@@ -99,7 +108,7 @@ def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: i
     return prompts, out, settings
 
 
-KINDS = ["independent", "medusa", "eagle3", "prompt lookup"]
+KINDS = ["independent", "medusa", "eagle3", "dflash", "pard", "prompt lookup"]
 BROKEN = {  # wrong rules that a bias check must catch
     "accept with q/p": ("acceptance_mask", lambda p, q, u: u * p < q),
     "resample from p": ("residual_distribution", lambda p, q: p),

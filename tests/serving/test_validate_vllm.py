@@ -199,3 +199,102 @@ def test_vllm_serves_medusa_heads_as_our_engine_does_and_a_swap_fails(medusa_run
     assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"], result
     assert any("alpha" in f for f in result["failures"])
     assert result["identical_vllm_texts"] == 2  # lossless all the same
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tmp_path_factory, smollm2_tokenizer):
+    """A run whose DFlash drafter (1 layer on vLLM's default aux layers, blocks of 3 masks) was
+    trained briefly on the target's own greedy answers to the two eval prompts. Exported, k=3."""
+    from drafts.dflash import DFlashForTraining, DFlashHead
+    from drafts.eagle3 import default_aux_layers
+    from recipe import TrainConfig
+    from train.features import target_hidden
+    from train.loop import target_logits
+
+    out = tmp_path_factory.mktemp("validate-dflash") / "run"
+    cfg, target, batch = _own_answers("configs/smollm2-135m-dflash.yaml", out, smollm2_tokenizer)
+    aux = default_aux_layers(target.config.num_hidden_layers)
+    features = target_hidden(target, batch, aux)
+    p_logits = target_logits(target, batch, features)
+    torch.manual_seed(0)
+    head = DFlashHead.from_target(target, aux, 1, mask_token_id=16, block_size=3)
+    head.lm_head.requires_grad_(False)
+    _fit(DFlashForTraining(head, decay=0.8, starts_per_row=0),
+         TrainConfig(draft="dflash", loss="fkl", block_size=3, eval_k=3), batch, features,
+         p_logits, lr=3e-3)
+    head.eval().save_pretrained(out / "train" / "draft")
+    return cfg, export_draft(cfg, k=3)
+
+
+def test_vllm_serves_a_dflash_drafter_as_our_engine_does(dflash_run):
+    cfg, exported = dflash_run
+    speculative = json.loads((exported.folder / "vllm_speculative_config.json").read_text())
+    assert speculative["method"] == "dflash" and speculative["num_speculative_tokens"] == 3
+    result = validate(cfg, exported.folder, enforce_eager=True)
+    assert result.tau_ours > 1.5, result.tau_ours
+    assert result.ok, (result.tau_ours, result.tau_vllm, result.alpha_ours, result.alpha_vllm)
+    assert result.identical_vllm_texts == 2
+
+
+@pytest.mark.parametrize("corruption", ["mask token", "target layers"])
+def test_a_dflash_config_that_misleads_vllm_fails_the_validation(dflash_run, tmp_path,
+                                                                 corruption):
+    """Another (valid) mask token id, or target_layer_ids shifted by one layer: vLLM loads and
+    serves either without complaint; only the acceptance shows it (speculators #613's class)."""
+    cfg, exported = dflash_run
+    broken = tmp_path / "broken"
+    shutil.copytree(exported.folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    if corruption == "mask token":
+        config["dflash_config"]["mask_token_id"] = 15
+    else:
+        config["dflash_config"]["target_layer_ids"] = [
+            i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    (broken / "config.json").write_text(json.dumps(config))
+    code, result = _cli("configs/smollm2-135m-dflash.yaml", cfg, broken)
+    assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"], result
+    assert result["identical_vllm_texts"] == 2  # lossless all the same
+
+
+@pytest.fixture(scope="module")
+def pard_run(tmp_path_factory, smollm2_tokenizer):
+    """A run whose PARD draft (the target's first 6 layers, blocks of 2 masks) was trained
+    briefly on the target's own greedy answers to the two eval prompts. Exported, k=3."""
+    from drafts.independent import layer_truncated
+    from drafts.pard import PardForTraining
+    from recipe import TrainConfig
+    from train.features import target_hidden
+    from train.loop import target_logits
+
+    out = tmp_path_factory.mktemp("validate-pard") / "run"
+    cfg, target, batch = _own_answers("configs/smollm2-135m-pard.yaml", out, smollm2_tokenizer)
+    p_logits = target_logits(target, batch, target_hidden(target, batch))
+    draft = layer_truncated(target, 6).requires_grad_(True)
+    draft.get_input_embeddings().requires_grad_(False)
+    draft.config.pard_token, draft.config.pard_trained_k = 16, 3
+    torch.manual_seed(0)
+    _fit(PardForTraining(draft, 3, 0.8, 0, 16).train(),
+         TrainConfig(draft="pard:layer-truncated:6", loss="fkl", block_size=3, eval_k=3),
+         batch, None, p_logits, lr=1e-3, steps=30)
+    draft.eval().save_pretrained(out / "train" / "draft")
+    smollm2_tokenizer.save_pretrained(out / "train" / "draft")
+    return cfg, export_draft(cfg, k=3)
+
+
+def test_vllm_serves_a_pard_draft_as_our_engine_does_and_a_wrong_mask_fails(pard_run, tmp_path):
+    cfg, exported = pard_run
+    speculative = json.loads((exported.folder / "vllm_speculative_config.json").read_text())
+    assert speculative["method"] == "draft_model" and speculative["parallel_drafting"] is True
+    recipe = "configs/smollm2-135m-pard.yaml"
+    code, result = _cli(recipe, cfg, exported.folder)
+    assert code == 0 and result["tau_ours"] > 1.5, result
+    assert result["identical_vllm_texts"] == 2
+
+    broken = tmp_path / "broken"
+    shutil.copytree(exported.folder, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["pard_token"] = 15  # a valid id the draft never learned as its mask
+    (broken / "config.json").write_text(json.dumps(config))
+    code, result = _cli(recipe, cfg, broken)
+    assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"], result
+    assert result["identical_vllm_texts"] == 2

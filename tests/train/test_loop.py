@@ -288,3 +288,24 @@ def test_cached_features_for_other_layers_are_refused(tiny_run):
 def test_eagle3_bad_input_is_refused(tiny_run, override, message):
     with pytest.raises(ConfigError, match=message):
         _train(tiny_run(*EAGLE3, override))
+
+
+@pytest.mark.parametrize("kind", [
+    ("train.draft=dflash", "train.eagle_aux_layers=[1]", "train.block_size=3", "train.loss=fkl"),
+    ("train.draft=pard:layer-truncated:1", "train.block_size=3", "train.block_starts=4",
+     "train.loss=fkl"),
+], ids=["dflash", "pard"])
+def test_a_parallel_drafter_learns_the_target(tiny_run, kind):
+    cfg = tiny_run(*kind)
+    summary = _train(cfg)
+    losses = _losses(cfg.run.output_path)
+    assert losses[6] < 0.8 * losses[1]
+    assert summary.after["loss"] < summary.before["loss"]
+    assert summary.after["tau"] > summary.before["tau"]
+    assert len(summary.after["alpha"]) == 3
+    saved = json.loads((summary.draft_dir / "config.json").read_text())
+    if "dflash" in kind[0]:
+        assert saved["architectures"] == ["DFlashDraftModel"]
+        assert saved["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [0]}
+    else:
+        assert saved["pard_token"] == 16 and saved["pard_trained_k"] == 3
