@@ -203,8 +203,9 @@ def test_vllm_serves_medusa_heads_as_our_engine_does_and_a_swap_fails(medusa_run
 
 @pytest.fixture(scope="module")
 def dflash_run(tmp_path_factory, smollm2_tokenizer):
-    """A run whose DFlash drafter (1 layer on vLLM's default aux layers, blocks of 3 masks) was
-    trained briefly on the target's own greedy answers to the two eval prompts. Exported, k=3."""
+    """A run whose DFlash drafter (1 layer on vLLM's default aux layers, started from the
+    target's layer 27, blocks of 3 masks) was trained briefly on the target's own greedy answers
+    to the two eval prompts. Exported, k=3."""
     from drafts.dflash import DFlashForTraining, DFlashHead
     from drafts.eagle3 import default_aux_layers
     from recipe import TrainConfig
@@ -221,7 +222,7 @@ def dflash_run(tmp_path_factory, smollm2_tokenizer):
     head.lm_head.requires_grad_(False)
     _fit(DFlashForTraining(head, decay=0.8, starts_per_row=0),
          TrainConfig(draft="dflash", loss="fkl", block_size=3, eval_k=3), batch, features,
-         p_logits, lr=3e-3)
+         p_logits, lr=1e-3)
     head.eval().save_pretrained(out / "train" / "draft")
     return cfg, export_draft(cfg, k=3)
 
