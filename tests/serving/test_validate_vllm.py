@@ -247,7 +247,7 @@ def test_a_dflash_config_that_misleads_vllm_fails_the_validation(dflash_run, tmp
     shutil.copytree(exported.folder, broken)
     config = json.loads((broken / "config.json").read_text())
     if corruption == "mask token":
-        config["dflash_config"]["mask_token_id"] = 15
+        config["dflash_config"]["mask_token_id"] = 17  # 15 has 16's embedding (untrained specials)
     else:
         config["dflash_config"]["target_layer_ids"] = [
             i + 1 for i in config["dflash_config"]["target_layer_ids"]]
@@ -294,7 +294,7 @@ def test_vllm_serves_a_pard_draft_as_our_engine_does_and_a_wrong_mask_fails(pard
     broken = tmp_path / "broken"
     shutil.copytree(exported.folder, broken)
     config = json.loads((broken / "config.json").read_text())
-    config["pard_token"] = 15  # a valid id the draft never learned as its mask
+    config["pard_token"] = 17  # a valid id the draft never learned as its mask
     (broken / "config.json").write_text(json.dumps(config))
     code, result = _cli(recipe, cfg, broken)
     assert code == 1 and not result["ok"] and result["tau_vllm"] < result["tau_ours"], result
