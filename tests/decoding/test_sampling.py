@@ -54,10 +54,11 @@ def _draft(kind: str, target):
         with torch.no_grad():
             head.lm_head.weight.normal_(0, 0.5)
         return Eagle3Draft(head.eval(), target.get_input_embeddings())
-    if kind == "dflash":  # one block of K masks per step, from the target's context
+    if kind == "dflash":  # one block of K masks per step, from the target's context; its
+        # start (the target's layer 1 and lm_head) made noisier so that both accept and reject
         head = DFlashHead.from_target(target, [1], 1, mask_token_id=7, block_size=K)
         with torch.no_grad():
-            head.lm_head.weight.normal_(0, 0.5)
+            head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight), alpha=0.3)
         return DFlashDraft(head.eval(), target.get_input_embeddings())
     if kind == "pard":  # another tiny LM, K tokens per forward with K-1 masks (token 7)
         return ParallelModelDraft(_tiny(5, layers=1), mask_id=7)
