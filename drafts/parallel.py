@@ -42,6 +42,13 @@ def pick_mask_token(tokenizer, vocab_size: int, examples=()) -> int:
     return added[-1]
 
 
+def resolve_mask_token(mask_id: int | None, tokenizer, vocab_size: int, examples=()) -> int:
+    """train.mask_token_id checked against the vocabulary, or the default pick_mask_token."""
+    if mask_id is not None:
+        return check_mask_token(mask_id, vocab_size)
+    return pick_mask_token(tokenizer, vocab_size, examples)
+
+
 def check_mask_token(mask_id: int, vocab_size: int, where: str = "train.mask_token_id") -> int:
     if not 0 <= mask_id < vocab_size:
         raise ConfigError(f"{where}={mask_id} lies outside the vocabulary [0, {vocab_size}): the "

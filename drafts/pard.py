@@ -24,7 +24,7 @@ from decoding.speculative import sampling_probs
 from drafts.folders import read_config
 from drafts.independent import Independent, parse_spec, pretrained_draft
 from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, chain_slots
-from drafts.parallel import block_plan, check_mask_token, pard_layout, pick_mask_token
+from drafts.parallel import block_plan, check_mask_token, pard_layout, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
 PREFIX = "pard:"
@@ -133,8 +133,7 @@ class Pard:
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)
         vocab = target.get_output_embeddings().weight.shape[0]
-        mask_id = (check_mask_token(cfg.mask_token_id, vocab) if cfg.mask_token_id is not None
-                   else pick_mask_token(tokenizer, vocab, examples))
+        mask_id = resolve_mask_token(cfg.mask_token_id, tokenizer, vocab, examples)
         draft.config.pard_token = mask_id
         draft.config.pard_trained_k = cfg.block_size
         log(f"[train] PARD on {cfg.draft.removeprefix(PREFIX)}: k = {cfg.block_size} per forward "

@@ -19,7 +19,7 @@ from drafts.kind import DraftKind, LoadedDraft
 from drafts.medusa import Medusa
 from drafts.pard import Pard
 from drafts.prompt_lookup import PromptLookup
-from recipe import ConfigError, TrainConfig
+from recipe import TrainConfig
 
 KINDS: list[DraftKind] = [
     Medusa(),

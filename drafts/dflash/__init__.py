@@ -14,7 +14,7 @@ from drafts.dflash.head import DFlashForTraining, DFlashHead, check_fits_target,
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
 from drafts.kind import LoadedDraft
-from drafts.parallel import check_mask_token, pick_mask_token
+from drafts.parallel import check_mask_token, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["DFlash", "DFlashDraft", "DFlashForTraining", "DFlashHead"]
@@ -70,8 +70,7 @@ class DFlash:
         layers = target.config.num_hidden_layers
         vocab = target.get_output_embeddings().weight.shape[0]
         aux = cfg.eagle_aux_layers or default_aux_layers(layers)
-        mask_id = (check_mask_token(cfg.mask_token_id, vocab) if cfg.mask_token_id is not None
-                   else pick_mask_token(tokenizer, vocab, examples))
+        mask_id = resolve_mask_token(cfg.mask_token_id, tokenizer, vocab, examples)
         head = DFlashHead.from_target(target, aux, parse_layers(cfg.draft), mask_id,
                                       cfg.block_size)
         log(f"[train] DFlash drafter: {head.config.num_hidden_layers} layer(s) on aux layers "

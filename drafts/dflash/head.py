@@ -25,7 +25,7 @@ from torch import nn
 
 from drafts.eagle3.head import _rotate_half, default_aux_layers, repeat_kv
 from drafts.folders import load_folder, save_folder
-from drafts.kind import Slot, TargetHidden
+from drafts.kind import SameVocabulary, Slot, TargetHidden
 from drafts.parallel import block_attention, block_plan
 from recipe import ConfigError
 
@@ -199,7 +199,7 @@ class DFlashHead(nn.Module):
                context_allowed: torch.Tensor) -> torch.Tensor:
         """S blocks per row: embeds [B, S, m, H] at positions [B, S, m]; contexts: per layer
         (k, v) [B, kv, L, d]; context_allowed [B, S, L] -> normed outputs [B, S, m, H]."""
-        batch, blocks, m, hidden = embeds.shape
+        batch, blocks, m, _ = embeds.shape
         h = embeds
         for layer, (k_context, v_context) in zip(self.layers, contexts):
             attn = layer.self_attn
@@ -291,7 +291,7 @@ def check_fits_target(head: DFlashHead, target) -> None:
     head.target_layers = layers
 
 
-class DFlashForTraining(nn.Module):
+class DFlashForTraining(SameVocabulary, nn.Module):
     """Blocks after the starts of block_plan, all in one forward: block (b, s) holds [x_{s+1},
     mask x k] at positions s+1..s+1+k, sees the context at positions <= s, and its draft
     position j is scored against the target at s + j (weight decay**(j-1))."""
@@ -327,9 +327,3 @@ class DFlashForTraining(nn.Module):
         out = head.blocks(block, block_positions, contexts, allowed)  # [B, S, k+1, H]
         return torch.cat([head.lm_head(out[:, :, j][plan.scored[j - 1]])
                           for j in range(1, k + 1)])  # [M, V]
-
-    def restrict(self, target_logits, labels):
-        return target_logits, labels
-
-    def expand(self, draft_logits):
-        return draft_logits
