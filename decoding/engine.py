@@ -16,7 +16,9 @@ from typing import Protocol
 import torch
 
 from decoding.kv import CachedLM
+from decoding.ngram import ngram_continuation
 from decoding.speculative import sampling_probs, verify
+from decoding.tree import ALTERNATIVE, NGRAM, Tree, ancestor_mask, build_tree, verify_tree
 from recipe import DecodeSettings
 
 
@@ -48,9 +50,16 @@ class Draft(Protocol):
         then repeats exactly, whatever else uses the global RNG)."""
 
     def accept(self, num_accepted: torch.Tensor, next_token: torch.Tensor,
-               target_hidden=None) -> None:
-        """The verification outcome: accepted draft tokens [B] and the token emitted after them;
-        target_hidden covers the verified chunk [pending, d_1..d_k]."""
+               target_hidden=None, path: torch.Tensor | None = None) -> None:
+        """The verification outcome: accepted tokens [B] and the token emitted after them;
+        target_hidden covers the verified chunk [pending, d_1..d_k]. path [B, k] (a tree step):
+        the accepted tokens (the first num_accepted of each row), which may leave the draft's
+        own chain (an alternative, an n-gram branch); target_hidden then covers
+        [pending, path_1..path_k]. None: the accepted tokens are the draft's chain."""
+
+    scores: torch.Tensor | None
+    """Optional: [B, k, V] the unfiltered logits behind the last proposal, which rank the
+    alternatives a tree adds at each position. A kind without it drafts chains in trees."""
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
@@ -77,6 +86,12 @@ class RequestStats:
     accepted_per_position: list[int] = field(default_factory=list)
     draft_failures: int = 0
     """1 when the draft produced non-finite logits and the request fell back to plain decoding."""
+    accepted_alternative: int = 0
+    """Tree steps: accepted tokens that were the draft's alternatives, not its chain."""
+    accepted_ngram: int = 0
+    """Hybrid steps: accepted tokens that only the n-gram branch proposed."""
+    tree_fallbacks: int = 0
+    """Tree steps: non-finite draft distributions tested as point masses instead (lossless)."""
 
     @property
     def tau(self) -> float:
@@ -137,6 +152,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         draft_seconds += time.perf_counter() - start
 
     pending, k, k_used = first, settings.k if draft is not None else 0, []
+    tree_mode = draft is not None and (settings.tree or settings.ngram_branch)
     while not all(done):
         start = time.perf_counter()
         if draft is not None:
@@ -147,16 +163,27 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         draft_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
-        chunk = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
-        target_probs = probs(target_lm.extend(chunk, torch.ones_like(chunk, dtype=torch.bool)))
-        if draft_probs is None:
-            draft_probs = target_probs[:, :0]
-        result = verify(draft_tokens, draft_probs, target_probs, generator)
-        target_lm.reject_last(k - result.num_accepted)
+        if tree_mode:
+            tree = build_tree(pending, draft_tokens, alternatives(draft, draft_tokens, settings),
+                              [ngram_continuation(h, k) for h in histories]
+                              if settings.ngram_branch else None)
+            result = tree_step(target_lm, tree, draft_probs, probs, generator)
+            path = result.path_tokens
+        else:
+            chunk = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
+            target_probs = probs(target_lm.extend(chunk, torch.ones_like(chunk, dtype=torch.bool)))
+            if draft_probs is None:
+                draft_probs = target_probs[:, :0]
+            result = verify(draft_tokens, draft_probs, target_probs, generator)
+            target_lm.reject_last(k - result.num_accepted)
+            hidden, path = target_lm.hidden_states, draft_tokens
         verify_seconds += time.perf_counter() - start
         if draft is not None:
             start = time.perf_counter()
-            draft.accept(result.num_accepted, result.next_token, target_lm.hidden_states)
+            if tree_mode:
+                draft.accept(result.num_accepted, result.next_token, result.hidden, path=path)
+            else:
+                draft.accept(result.num_accepted, result.next_token, hidden)
             draft_seconds += time.perf_counter() - start
 
         k_used.append(k)
@@ -166,14 +193,19 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 continue
             s = stats[row]
             s.steps += 1
-            s.drafted += k
+            s.drafted += int(tree.valid[row].sum()) - 1 if tree_mode else k
             s.accepted += n
             for position in range(k):
                 s.drafted_per_position[position] += 1
                 s.accepted_per_position[position] += position < n
             if draft is not None and getattr(draft, "failures", None) is not None:
                 s.draft_failures = int(draft.failures[row])
-            for token in draft_tokens[row, :n].tolist() + [nxt]:
+            if tree_mode:
+                sources = result.sources[row, :n]
+                s.accepted_alternative += int((sources == ALTERNATIVE).sum())
+                s.accepted_ngram += int((sources == NGRAM).sum())
+                s.tree_fallbacks += int(result.fallbacks[row])
+            for token in path[row, :n].tolist() + [nxt]:
                 outputs[row].append(token)
                 histories[row].append(token)
                 if stopped(outputs[row]):
@@ -184,3 +216,56 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             active = [n for n, d in zip(accepted_rows, done) if not d] or accepted_rows
             k = min(k + 2, settings.k_max) if min(active) == k else max(k - 1, 1)
     return Generation(outputs, stats, draft_seconds, verify_seconds, k_used)
+
+
+def alternatives(draft, chain: torch.Tensor, settings: DecodeSettings) -> torch.Tensor | None:
+    """The draft's settings.tree_width likeliest tokens at each position other than the chain's
+    [B, k] -> [B, k, w], or None when the tree has no alternatives (settings.tree off, or a draft
+    that ranks none)."""
+    scores = getattr(draft, "scores", None)
+    if not settings.tree or scores is None:
+        return None
+    width = settings.tree_width
+    ranked = scores.float().nan_to_num(nan=float("-inf")).topk(width + 1, dim=-1).indices
+    order = torch.argsort((ranked == chain[..., None]).long(), dim=-1, stable=True)
+    return ranked.gather(-1, order)[..., :width]  # the chain's token, if ranked, moved out
+
+
+@dataclass
+class TreeStep:
+    num_accepted: torch.Tensor  # [B]
+    next_token: torch.Tensor  # [B]
+    path_tokens: torch.Tensor
+    """[B, k] the accepted tokens (first num_accepted of each row), zeros past them."""
+    sources: torch.Tensor  # [B, k] decoding.tree source of each accepted node
+    fallbacks: torch.Tensor  # [B]
+    hidden: tuple | None
+    """The target's hidden states along [root, path_1..path_k] (rows past the path: the
+    root's), one [B, k+1, H] per layer; None unless the target keeps them."""
+
+
+def tree_step(target_lm: CachedLM, tree: Tree, draft_probs, probs, generator) -> TreeStep:
+    """Verify one tree per row in one target forward (tree attention); the target's cache keeps
+    exactly the root and the accepted path."""
+    k = draft_probs.shape[1]
+    target_probs = probs(target_lm.extend_tree(tree.tokens, tree.depth,
+                                               ancestor_mask(tree.parents), tree.valid))
+    result = verify_tree(tree, draft_probs, target_probs, generator)
+    batch, depth = result.path.shape
+    path = torch.zeros(batch, k, dtype=torch.long, device=tree.tokens.device)
+    path[:, :depth] = result.path.clamp(min=0)
+    on_path = torch.arange(k, device=path.device)[None] < result.num_accepted[:, None]
+    path = torch.where(on_path, path, 0)  # node 0 (the root) past the path
+    nodes = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, k+1]
+    keep = torch.zeros_like(tree.valid)
+    keep.scatter_(1, nodes, True)
+    hidden = None
+    if target_lm.hidden_states is not None:
+        index = nodes[:, :, None]
+        hidden = tuple(h.gather(1, index.expand(-1, -1, h.shape[-1]))
+                       for h in target_lm.hidden_states)
+    target_lm.keep_nodes(keep)
+    return TreeStep(result.num_accepted, result.next_token,
+                    torch.where(on_path, tree.tokens.gather(1, path), 0),
+                    torch.where(on_path, tree.source.gather(1, path), 0), result.fallbacks,
+                    hidden)

@@ -72,3 +72,40 @@ class CachedLM:
         tail = torch.arange(width, 0, -1, device=num_rejected.device)  # [w]: w, ..., 1
         drop = tail[None, :] <= num_rejected[:, None]  # [B, w] True for the last n slots
         self.mask[:, -width:] = self.mask[:, -width:] * (~drop)
+
+    @torch.no_grad()
+    def extend_tree(self, tokens: torch.Tensor, depth: torch.Tensor,
+                    seen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Append a token tree: tokens, depth [B, N], seen [B, N, N] (decoding.tree.ancestor_mask:
+        node i attends to node j), valid [B, N] -> logits [B, N, V]. Node i sits at position
+        next_position + depth[i] and attends to the cache's real tokens and its own ancestors.
+        Until keep_nodes, the tree's slots are in the cache but not counted as positions."""
+        batch, size = tokens.shape
+        positions = self.next_position[:, None] + depth  # [B, N]
+        seen = seen & valid[:, None, :]
+        seen = seen | torch.eye(size, dtype=torch.bool, device=tokens.device)  # padding sees itself
+        old = self.mask.bool()[:, None, :].expand(batch, size, -1)  # [B, N, L]
+        attend = torch.cat([old, seen], dim=2)[:, None]  # [B, 1, N, L + N]
+        self.mask = torch.cat([self.mask, valid.long()], dim=1)
+        out = self.model(input_ids=tokens, attention_mask=attend, position_ids=positions,
+                         past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=self.keep_hidden_states)
+        self.hidden_states = out.hidden_states
+        return out.logits
+
+    def keep_nodes(self, keep: torch.Tensor) -> None:
+        """After extend_tree: keep [B, N] bool, the nodes of each row's accepted path (its root
+        included), which must be in depth order. They move to the front of the tree's slots and
+        count as positions; the rest become holes, and the slots no row kept are cut."""
+        size = keep.shape[1]
+        order = torch.argsort((~keep).long(), dim=1, stable=True)  # [B, N] kept slots first
+        width = int(keep.sum(1).max())
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                tail = getattr(layer, name)[:, :, -size:]  # [B, H, N, D]
+                index = order[:, None, :, None].expand(-1, tail.shape[1], -1, tail.shape[3])
+                setattr(layer, name, torch.cat([getattr(layer, name)[:, :, :-size],
+                                                tail.gather(2, index)[:, :, :width]], dim=2))
+        kept = keep.gather(1, order)[:, :width].long()  # [B, width]
+        self.mask = torch.cat([self.mask[:, :-size], kept], dim=1)
+        self.next_position = self.next_position + kept.sum(1)

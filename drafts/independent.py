@@ -159,7 +159,7 @@ class ModelDraft:
 
     def propose(self, k, sampling, history, generator=None):
         logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
-        tokens, probs = [], []
+        tokens, probs, scores = [], [], []
         for i in range(k):
             q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
             broken = ~torch.isfinite(logits).all(-1) | self.failures  # [B]
@@ -169,20 +169,28 @@ class ModelDraft:
             token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B]
             tokens.append(token)
             probs.append(q)
+            scores.append(logits)
             if i < k - 1:
                 logits = self.lm.extend(token[:, None], torch.ones_like(token[:, None],
                                                                          dtype=torch.bool))[:, -1]
         self.tokens = torch.stack(tokens, 1)  # [B, k]
+        self.scores = torch.stack(scores, 1)  # [B, k, V]
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
+        """Keep the cached slots of the draft's own tokens that were accepted; feed the rest of
+        the accepted tokens (a tree's alternative or n-gram branch) and next_token next step."""
         k = self.tokens.shape[1]
         fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
-        self.lm.reject_last(fed - num_accepted.clamp(max=fed))
-        all_accepted = num_accepted == k  # then x_k still has to be fed, before next_token
-        self.pending = torch.stack([torch.where(all_accepted, self.tokens[:, -1], next_token),
-                                    next_token], dim=1)
-        self.pending_valid = torch.stack([all_accepted, torch.ones_like(all_accepted)], dim=1)
+        accepted = self.tokens if path is None else path  # [B, k]
+        index = torch.arange(k + 1, device=next_token.device)[None]  # [1, k+1]
+        agree = (accepted == self.tokens) & (index[:, :k] < num_accepted[:, None])
+        keep = agree.int().cumprod(1).sum(1).clamp(max=fed)  # [B] own accepted slots kept
+        self.lm.reject_last(fed - keep)
+        pending = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
+        valid = ((index >= keep[:, None]) & (index < num_accepted[:, None])) | (index == k)
+        first = int(keep.min())  # columns no row feeds
+        self.pending, self.pending_valid = pending[:, first:], valid[:, first:]
 
 
 # --- the kind ----------------------------------------------------------------------------------

@@ -158,9 +158,10 @@ class MedusaDraft:
         probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(
             probs.shape[:2])  # [B, k]
+        self.scores = logits  # [B, k, V]
         return tokens, probs
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
         # chunk = [pending, d_1..d_k]; slot n (the last accepted) produced next_token
         self.hidden = target_hidden[-1][rows, num_accepted]  # [B, H]

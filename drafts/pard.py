@@ -90,12 +90,15 @@ class ParallelModelDraft:
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         self.tokens = torch.multinomial(q.reshape(batch * k, -1), 1,
                                         generator=generator).view(batch, k)
+        self.scores = logits  # [B, k, V]
         return self.tokens, q  # [B, k], [B, k, V]
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
-        """Next step feeds the accepted d_1..d_n and next_token (the rejected ones as holes)."""
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
+        """Next step feeds the accepted d_1..d_n (a tree's path) and next_token (the rejected
+        ones as holes)."""
         k = self.tokens.shape[1]
-        self.pending = torch.cat([self.tokens, next_token[:, None]], 1)  # [B, k+1]
+        accepted = self.tokens if path is None else path  # [B, k]
+        self.pending = torch.cat([accepted, next_token[:, None]], 1)  # [B, k+1]
         index = torch.arange(k + 1, device=next_token.device)[None]
         self.pending_valid = (index < num_accepted[:, None]) | (index == k)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decoding.ngram import ngram_continuation
 from drafts.kind import LoadedDraft
 from recipe import ConfigError, TrainConfig
 
@@ -34,16 +35,7 @@ class PromptLookupDraft:
         self.device = input_ids.device
 
     def lookup(self, history: list[int], k: int) -> list[int]:
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(history) <= n:
-                continue
-            tail = history[-n:]
-            for start in range(len(history) - n - 1, -1, -1):  # latest earlier occurrence
-                if history[start : start + n] == tail:
-                    following = history[start + n : start + n + k]
-                    if following:
-                        return following
-        return []
+        return ngram_continuation(history, k, self.max_ngram, self.min_ngram)
 
     def propose(self, k, sampling, history, generator=None):
         rows = []
@@ -54,7 +46,7 @@ class PromptLookupDraft:
         probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()  # [B, k, V]
         return tokens, probs
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         pass
 
 

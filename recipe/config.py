@@ -177,6 +177,15 @@ class DecodeSettings:
     the end-of-turn token."""
     batch_size: int = 1
     """Requests decoded together, left-padded."""
+    tree: bool = False
+    """Verify a token tree per step instead of a chain: the draft's chain plus, at each of its k
+    positions, the draft's tree_width likeliest tokens as alternatives (decoding/tree.py)."""
+    tree_width: int = 3
+    """With tree: candidates per draft position besides the chain's token (1..16). Kinds that
+    rank no alternatives (prompt lookup) give a chain."""
+    ngram_branch: bool = False
+    """Hybrid drafting: the row's n-gram match (prompt lookup, up to k tokens) as one more
+    branch of the tree; its accepted tokens are counted apart."""
 
     section: ClassVar[str] = ""  # how messages name the fields: '' or 'eval.'
 
@@ -191,6 +200,9 @@ class DecodeSettings:
         if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
             raise ConfigError(f"{at}top_p/top_k have no effect with greedy decoding "
                               f"({at}temperature=0): set a temperature or drop them.")
+        if not 1 <= self.tree_width <= 16:
+            raise ConfigError(f"{at}tree_width={self.tree_width} must be in [1, 16]: each "
+                              "draft position adds that many tree nodes to every verification.")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ConfigError(f"{at}max_new_tokens and {at}batch_size must be >= 1.")
 

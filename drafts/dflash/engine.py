@@ -57,9 +57,10 @@ class DFlashDraft:
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         tokens = torch.multinomial(q.reshape(batch * k, -1), 1, generator=generator)
         self.tokens = tokens.view(batch, k)
+        self.scores = logits  # [B, k, V]
         return self.tokens, q  # [B, k], [B, k, V]
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """The verified chunk [pending, d_1..d_k]: its first n+1 slots become context (the
         target's hidden states of the tokens it kept), the rest holes; next_token is pending."""
         k = self.tokens.shape[1]

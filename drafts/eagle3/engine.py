@@ -92,28 +92,31 @@ class Eagle3Draft:
         self.chain = 0
 
     def propose(self, k, sampling, history, generator=None):
-        tokens, probs, hidden = [], [], self.hidden
+        tokens, probs, scores, hidden = [], [], [], self.hidden
         for i in range(k):
             logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
             q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
             token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B] target ids
             tokens.append(token)
             probs.append(q)
+            scores.append(logits)
             if i < k - 1:
                 hidden = self.cache.run(self.head, self._embeds(token[:, None]), hidden[:, None],
                                         torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
         self.chain = k - 1  # slots to drop once the target has verified
         self.tokens = torch.stack(tokens, 1)  # [B, k]
+        self.scores = torch.stack(scores, 1)  # [B, k, V]
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
 
-    def accept(self, num_accepted, next_token, target_hidden=None):
+    def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """Replace the chain's slots by the verified tokens' slots, made from the target's
         features: slot i of the chunk [pending, d_1..d_k] reads d_{i+1} (i < n) or next_token
-        (i = n); slots past n are holes."""
+        (i = n); slots past n are holes. A tree's path replaces d."""
         self.cache.crop(self.chain)
         batch, k = self.tokens.shape
         rows = torch.arange(batch, device=next_token.device)
-        following = torch.cat([self.tokens, next_token[:, None]], dim=1)  # [B, k+1]
+        accepted = self.tokens if path is None else path  # [B, k]
+        following = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         following[rows, num_accepted] = next_token
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
         out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),

@@ -97,10 +97,12 @@ def pit_p_value(target, prompts, outputs, settings: DecodeSettings, seed: int = 
     return float(torch.special.gammaincc(torch.tensor((BINS - 1) / 2.0), chi2 / 2))
 
 
-def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: int = 0):
+def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: int = 0,
+            tree: bool = False, ngram_branch: bool = False):
     prompts, ids, mask = _batch()
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=temperature,
-                              top_p=0.9, top_k=6)
+                              top_p=0.9, top_k=6, tree=tree, tree_width=2,
+                              ngram_branch=ngram_branch)
     draft = _draft(kind, target)
     torch.manual_seed(global_seed)  # the engine's generator alone must decide the samples
     out = generate(target, ids, mask, settings, {VOCAB + 1}, draft,
@@ -135,6 +137,31 @@ def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
     assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
 
 
+TREES = [("independent", False), ("medusa", False), ("eagle3", False), ("dflash", False),
+         ("pard", False), ("independent", True), ("eagle3", True)]
+
+
+@pytest.mark.parametrize("kind,ngram_branch", TREES)
+def test_trees_sample_the_targets_distribution(target, kind, ngram_branch):
+    """Tree steps (the draft's chain plus 2 alternatives per position; with ngram_branch also
+    the n-gram match) keep the target's distribution."""
+    prompts, out, settings = _sample(target, kind, 1.0, tree=True, ngram_branch=ngram_branch)
+    assert sum(s.accepted_alternative for s in out.stats) > 0  # the alternatives were used
+    if ngram_branch:
+        assert sum(s.accepted_ngram for s in out.stats) > 0
+    accepted = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
+    assert 0.02 < accepted < 0.98
+    assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3
+
+
+def test_a_wrong_tree_rule_fails_the_same_test(target, monkeypatch):
+    import decoding.tree
+
+    monkeypatch.setattr(decoding.tree, "residual_distribution", lambda r, q: r)
+    prompts, out, settings = _sample(target, "independent", 1.0, tree=True)
+    assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_seeded_run_repeats_exactly_whatever_the_global_rng_does(target, kind):
     runs = [_sample(target, kind, 1.0, seed=5, global_seed=g)[1].tokens for g in (0, 1)]
@@ -160,3 +187,13 @@ if __name__ == "__main__":  # the figures: python -m tests.decoding.test_samplin
             p = pit_p_value(model, prompts, out.tokens, settings)
             print(f"| {kind} | {temperature} | {rate:.2f} | {p:.3g} | "
                   + " | ".join(f"{b:.2g}" for b in broken) + " |")
+    print("\n| tree (2 alternatives per position) | T | acceptance per node | accepted "
+          "alternatives / n-gram | p |")
+    print("|---|---|---|---|---|")
+    for kind, ngram_branch in TREES:
+        prompts, out, settings = _sample(model, kind, 1.0, tree=True, ngram_branch=ngram_branch)
+        rate = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
+        p = pit_p_value(model, prompts, out.tokens, settings)
+        print(f"| {kind}{' + n-gram' if ngram_branch else ''} | 1.0 | {rate:.2f} | "
+              f"{sum(s.accepted_alternative for s in out.stats)} / "
+              f"{sum(s.accepted_ngram for s in out.stats)} | {p:.3g} |")

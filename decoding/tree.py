@@ -1,0 +1,184 @@
+"""Speculation trees as pure functions: build a token tree per row, its attention mask, and the
+lossless walk that accepts the longest verified path.
+
+A tree holds the pending token as its root (node 0) and draft candidates below it; each node's
+parent comes before it (topological order). One target forward over all nodes, each node seeing
+exactly its ancestors, gives the target's distribution p after every node.
+
+Verification walks from the root (recursive rejection sampling, SpecInfer / SpecTr): at a node
+with target distribution r = p(node), its children are tested in order; child x proposed from q
+is accepted with probability min(1, r(x) / q(x)); if rejected, r <- normalize(max(r - q, 0)) and
+the next child is tested. A child that is a fixed candidate (an alternative of the draft's, an
+n-gram match) has q = a point mass on it: accepted with probability r(x), else r loses x. When no
+child is accepted the replacement is sampled from r; at a leaf the bonus token from p(leaf). Each
+test is a valid rejection step of r given what was rejected before, so the emitted token is
+distributed exactly as r's start, the target's p: the output distribution is the target's. At
+temperature 0 every distribution is one-hot and the walk accepts the child equal to the target's
+argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.speculative import residual_distribution
+
+ROOT, DRAFT, ALTERNATIVE, NGRAM = 0, 1, 2, 3
+"""Where a node came from (Tree.source)."""
+
+
+@dataclass
+class Tree:
+    """B token trees padded to N nodes; node 0 of each row is the root (the pending token)."""
+
+    tokens: torch.Tensor  # [B, N] long
+    parents: torch.Tensor  # [B, N] long: -1 for the root and for padding
+    depth: torch.Tensor  # [B, N] long: 0 for the root
+    valid: torch.Tensor  # [B, N] bool: False for padding
+    source: torch.Tensor  # [B, N] long: ROOT, DRAFT, ALTERNATIVE or NGRAM
+    proposal: torch.Tensor
+    """[B, N] long: j >= 0: the token was sampled from the draft's q at draft position j
+    (0-based); -1: a fixed candidate (q is a point mass on it)."""
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+
+def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.Tensor | None,
+               ngrams: list[list[int]] | None = None) -> Tree:
+    """One tree per row from the draft's chain and its alternatives, merged as a trie.
+
+    pending [B], chain [B, k] (the draft's proposal, sampled from its q), alternatives
+    [B, k, m] or None (the draft's m likeliest tokens at each position, its own order): the
+    alternatives at position j hang below the chain's node j-1 (they are what the draft would
+    have proposed there instead, given the same prefix) as fixed candidates. ngrams: per row up
+    to k tokens continuing the pending token (an n-gram match), inserted as one more branch from
+    the root. A candidate equal to an existing child is that child.
+    """
+    batch, k = chain.shape
+    rows = []
+    for b in range(batch):
+        tokens, parents, depth, source, proposal = [int(pending[b])], [-1], [0], [ROOT], [-1]
+        children: dict[tuple[int, int], int] = {}
+
+        def add(parent: int, token: int, kind: int, j: int) -> int:
+            node = children.get((parent, token))
+            if node is None:
+                node = children[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depth.append(depth[parent] + 1)
+                source.append(kind)
+                proposal.append(j)
+            return node
+
+        chain_nodes, node = [], 0
+        for j, token in enumerate(chain[b].tolist()):
+            node = add(node, token, DRAFT, j)
+            chain_nodes.append(node)
+        if alternatives is not None:
+            for j in range(k):
+                parent = chain_nodes[j - 1] if j else 0
+                for token in alternatives[b, j].tolist():
+                    add(parent, token, ALTERNATIVE, -1)
+        node = 0
+        for token in (ngrams[b] if ngrams else [])[:k]:
+            node = add(node, token, NGRAM, -1)
+        rows.append((tokens, parents, depth, source, proposal))
+
+    size = max(len(r[0]) for r in rows)
+    device = chain.device
+
+    def padded(index: int, fill: int) -> torch.Tensor:
+        return torch.tensor([r[index] + [fill] * (size - len(r[index])) for r in rows],
+                            dtype=torch.long, device=device)
+
+    valid = torch.tensor([[i < len(r[0]) for i in range(size)] for r in rows], device=device)
+    return Tree(padded(0, 0), padded(1, -1), padded(2, 0), valid, padded(3, ROOT), padded(4, -1))
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] (-1: none) -> [B, N, N] bool: node i sees node j iff j is i or one of its
+    ancestors (the tree attention mask of the new nodes among themselves)."""
+    batch, size = parents.shape
+    seen = torch.eye(size, dtype=torch.bool, device=parents.device).repeat(batch, 1, 1)
+    rows = torch.arange(batch, device=parents.device)[:, None]
+    nodes = torch.arange(size, device=parents.device)[None, :].expand(batch, -1)
+    current = parents  # [B, N] the ancestor reached so far, per node
+    for _ in range(size - 1):
+        has = current >= 0
+        if not has.any():
+            break
+        seen[rows.expand(-1, size)[has], nodes[has], current[has]] = True
+        current = torch.where(has, parents[rows, current.clamp(min=0)], current)
+    return seen
+
+
+@dataclass
+class TreeVerification:
+    num_accepted: torch.Tensor
+    """[B] nodes accepted below the root (the accepted path's length)."""
+    path: torch.Tensor
+    """[B, D] node indices of the accepted path, in depth order; -1 past num_accepted
+    (D: the tree's depth)."""
+    next_token: torch.Tensor
+    """[B] the token emitted after the path: the replacement at the first node whose children
+    were all rejected, or the bonus token at a leaf."""
+    fallbacks: torch.Tensor
+    """[B] draft distributions that were not finite and were tested as point masses instead."""
+
+
+def verify_tree(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                generator: torch.Generator | None = None) -> TreeVerification:
+    """Walk each row's tree from the root (see the module docstring).
+
+    draft_probs [B, k, V] (the q of each draft position, for nodes with proposal >= 0) or None;
+    target_probs [B, N, V] (p after each node).
+    """
+    batch, size = tree.tokens.shape
+    device = tree.tokens.device
+    max_depth = int(tree.depth.max())
+    path = torch.full((batch, max_depth), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+    fallbacks = torch.zeros(batch, dtype=torch.long, device=device)
+    parents, valid = tree.parents.tolist(), tree.valid.tolist()
+    tokens, proposal = tree.tokens.tolist(), tree.proposal.tolist()
+    for b in range(batch):
+        children = [[] for _ in range(size)]
+        for node in range(1, size):
+            if valid[b][node]:
+                children[parents[b][node]].append(node)
+        node, accepted = 0, 0
+        while True:
+            r = target_probs[b, node]
+            chosen = None
+            for child in children[node]:
+                x, j = tokens[b][child], proposal[b][child]
+                u = torch.rand((), device=device, generator=generator)
+                q = draft_probs[b, j] if j >= 0 else None
+                if q is not None and not bool(torch.isfinite(q).all()):
+                    q, fallbacks[b] = None, fallbacks[b] + 1
+                if q is None:
+                    if u < r[x]:
+                        chosen = child
+                        break
+                    point = torch.zeros_like(r)
+                    point[x] = 1.0
+                    r = residual_distribution(r, point)
+                else:
+                    if u * q[x] < r[x]:
+                        chosen = child
+                        break
+                    r = residual_distribution(r, q)
+            if chosen is None:
+                next_token[b] = torch.multinomial(r, 1, generator=generator)[0]
+                break
+            path[b, accepted] = chosen
+            accepted += 1
+            node = chosen
+        num_accepted[b] = accepted
+    return TreeVerification(num_accepted, path, next_token, fallbacks)

@@ -1,0 +1,167 @@
+"""Speculation trees: the masks, the walk on hand-made trees, the cache after a tree step, and
+greedy equality with trees (and hybrid n-gram branches) for every draft kind."""
+
+import pytest
+import torch
+
+from decoding.engine import DecodeSettings, generate
+from decoding.kv import CachedLM
+from decoding.tree import ALTERNATIVE, DRAFT, NGRAM, ROOT, Tree, ancestor_mask, build_tree, \
+    verify_tree
+from tests.decoding.test_engine import EOS, VOCAB, _drafts, _prompts, _reference, _tiny
+
+
+def _hand_tree():
+    """root 0 -> 1 -> 2 -> 3 (a chain), 0 -> 4, 1 -> 5, 5 -> 6; one padding node (7)."""
+    parents = torch.tensor([[-1, 0, 1, 2, 0, 1, 5, -1]])
+    tokens = torch.tensor([[9, 10, 11, 12, 20, 21, 22, 0]])
+    depth = torch.tensor([[0, 1, 2, 3, 1, 2, 3, 0]])
+    valid = torch.tensor([[True] * 7 + [False]])
+    source = torch.tensor([[ROOT, DRAFT, DRAFT, DRAFT, ALTERNATIVE, ALTERNATIVE, NGRAM, ROOT]])
+    proposal = torch.tensor([[-1, 0, 1, 2, -1, -1, -1, -1]])
+    return Tree(tokens, parents, depth, valid, source, proposal)
+
+
+def test_each_node_sees_exactly_its_ancestors():
+    seen = ancestor_mask(_hand_tree().parents)[0]
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 1, 2}, 3: {0, 1, 2, 3}, 4: {0, 4}, 5: {0, 1, 5},
+                6: {0, 1, 5, 6}, 7: {7}}
+    for node, ancestors in expected.items():
+        assert set(seen[node].nonzero()[:, 0].tolist()) == ancestors, node
+
+
+def test_build_tree_merges_candidates_into_a_trie():
+    chain = torch.tensor([[5, 6, 7]])
+    alternatives = torch.tensor([[[8, 9], [6, 10], [11, 12]]])  # 6 below node 5: a new node
+    tree = build_tree(torch.tensor([4]), chain, alternatives, ngrams=[[5, 6, 13]])
+    nodes = {i: (int(tree.tokens[0, i]), int(tree.parents[0, i]), int(tree.source[0, i]))
+             for i in range(tree.size) if tree.valid[0, i]}
+    assert nodes[0] == (4, -1, ROOT)
+    assert [nodes[i] for i in (1, 2, 3)] == [(5, 0, DRAFT), (6, 1, DRAFT), (7, 2, DRAFT)]
+    assert (8, 0, ALTERNATIVE) in nodes.values() and (9, 0, ALTERNATIVE) in nodes.values()
+    assert (10, 1, ALTERNATIVE) in nodes.values()
+    # depth 2's alternative 6 is the chain's own node 2: merged, not repeated
+    assert sum(1 for t, p, _ in nodes.values() if (t, p) == (6, 1)) == 1
+    # the n-gram branch 5, 6 follows the chain, then leaves it with 13 below node 2
+    assert (13, 2, NGRAM) in nodes.values()
+    assert len(nodes) == 1 + 3 + 2 + 1 + 2 + 1
+    assert tree.proposal[0, 1:4].tolist() == [0, 1, 2]
+    assert all(int(tree.parents[0, i]) < i for i in range(1, len(nodes)))  # parents first
+
+
+def _one_hot_targets(tree: Tree, argmax: dict[int, int], vocab: int = 32):
+    p = torch.zeros(1, tree.size, vocab)
+    for node in range(tree.size):
+        p[0, node, argmax.get(node, 0)] = 1.0
+    return p
+
+
+def test_greedy_walk_follows_the_targets_argmax_through_an_alternative():
+    tree = _hand_tree()
+    draft_probs = torch.nn.functional.one_hot(torch.tensor([[10, 11, 12]]), 32).float()
+    # the target wants 10 (node 1), then 21 (alternative node 5), then 22 (n-gram node 6), then 3
+    p = _one_hot_targets(tree, {0: 10, 1: 21, 5: 22, 6: 3})
+    result = verify_tree(tree, draft_probs, p)
+    assert result.num_accepted.tolist() == [3]
+    assert result.path[0].tolist() == [1, 5, 6]
+    assert result.next_token.tolist() == [3]
+    # the target wants 15 at the root: nothing accepted, 15 emitted
+    result = verify_tree(tree, draft_probs, _one_hot_targets(tree, {0: 15}))
+    assert result.num_accepted.tolist() == [0] and result.next_token.tolist() == [15]
+    # the whole chain: the bonus token comes from the leaf
+    result = verify_tree(tree, draft_probs, _one_hot_targets(tree, {0: 10, 1: 11, 2: 12, 3: 7}))
+    assert result.path[0].tolist() == [1, 2, 3] and result.next_token.tolist() == [7]
+
+
+def test_non_finite_draft_probabilities_fall_back_and_are_counted():
+    tree = _hand_tree()
+    draft_probs = torch.full((1, 3, 32), float("nan"))
+    result = verify_tree(tree, draft_probs, _one_hot_targets(tree, {0: 10, 1: 11, 2: 5}))
+    assert result.path[0, :2].tolist() == [1, 2] and result.next_token.tolist() == [5]
+    assert result.fallbacks.tolist() == [3]  # nodes 1, 2, 3 were tested as point masses
+
+
+def _first_token_p_value(rows: int = 6000) -> float:
+    """Many copies of one node with a child sampled from q, a fixed alternative and an n-gram
+    child: the chi-square p-value of the emitted first token against p."""
+    vocab = 6
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.4, 0.1, 0.2, 0.15, 0.1])
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+    chain = torch.multinomial(q.expand(rows, -1), 1, generator=g)  # [rows, 1] sampled from q
+    tree = build_tree(torch.zeros(rows, dtype=torch.long), chain,
+                      torch.tensor([[[3]]]).expand(rows, 1, 1), ngrams=[[4]] * rows)
+    result = verify_tree(tree, q.expand(rows, 1, -1), p.expand(rows, tree.size, -1),
+                         generator=g)
+    first = torch.where(result.num_accepted > 0,
+                        tree.tokens.gather(1, result.path[:, :1].clamp(min=0))[:, 0],
+                        result.next_token)
+    observed = torch.bincount(first, minlength=vocab).double()
+    expected = p.double() * rows
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor((vocab - 1) / 2.0), torch.tensor(chi2 / 2)))
+
+
+def test_the_walk_samples_the_targets_distribution_at_a_node(monkeypatch):
+    assert _first_token_p_value() > 1e-3
+    # a wrong rule fails the same test: not removing a rejected candidate's mass
+    import decoding.tree
+
+    monkeypatch.setattr(decoding.tree, "residual_distribution", lambda r, q: r)
+    assert _first_token_p_value() < 1e-6
+
+
+def test_the_cache_keeps_exactly_the_accepted_path_at_batch_2():
+    """After a tree step the cache equals the cache of the accepted tokens alone: the next
+    forward's logits match a fresh prefill of prompt + path, per row."""
+    target = _tiny(0)
+    prompts, ids, mask = _prompts([5, 9])
+    lm = CachedLM(target)
+    lm.prefill(ids, mask)
+    tree = _hand_tree()
+    tree = Tree(*(x.expand(2, -1).clone() for x in (tree.tokens, tree.parents, tree.depth,
+                                                     tree.valid, tree.source, tree.proposal)))
+    tree.tokens[1, 0] = 30  # row 1 has another root
+    lm.extend_tree(tree.tokens, tree.depth, ancestor_mask(tree.parents), tree.valid)
+    keep = torch.zeros(2, tree.size, dtype=torch.bool)
+    keep[0, [0, 1, 5, 6]] = True  # row 0 accepted 10, 21, 22 (through an alternative)
+    keep[1, [0, 4]] = True  # row 1 accepted 20
+    lm.keep_nodes(keep)
+    paths = [[9, 10, 21, 22], [30, 20]]
+    assert lm.mask.shape[1] == ids.shape[1] + 4  # the slots no row kept are cut
+    nxt = torch.tensor([[7], [8]])
+    logits = lm.extend(nxt, torch.ones_like(nxt, dtype=torch.bool))[:, -1]
+    for row in range(2):
+        seq = torch.tensor([prompts[row] + paths[row] + [int(nxt[row])]])
+        expected = target(seq).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft_name,mode", [
+    ("other", "tree"), ("noisy copy", "tree"), ("nan", "tree"), ("fitted medusa", "tree"),
+    ("random medusa", "tree"), ("noisy copy", "hybrid"), ("prompt lookup", "hybrid")])
+def test_greedy_tree_speculation_equals_target_greedy_batched(draft_name, mode):
+    target = _tiny(0)
+    prompts, ids, mask = _prompts([5, 17, 9])
+    settings = DecodeSettings(max_new_tokens=40, k=4, tree=True, tree_width=3,
+                              ngram_branch=mode == "hybrid")
+    out = generate(target, ids, mask, settings, {EOS}, _drafts(target)[draft_name])
+    for row, prompt in enumerate(prompts):
+        assert out.tokens[row] == _reference(target, prompt, 40), f"row {row}"
+    if draft_name in {"noisy copy", "fitted medusa", "other", "random medusa"}:
+        assert sum(s.accepted_alternative for s in out.stats) > 0  # the tree was used
+    if draft_name == "nan":
+        assert all(s.draft_failures == 1 for s in out.stats)
+
+
+def test_a_tree_accepts_at_least_what_its_chain_accepts():
+    target = _tiny(0)
+    _, ids, mask = _prompts([5, 17, 9])
+    drafts = _drafts(target)
+    chain = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=4), {EOS},
+                     drafts["noisy copy"])
+    drafts = _drafts(target)
+    tree = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=4, tree=True),
+                    {EOS}, drafts["noisy copy"])
+    tau = lambda out: sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
+    assert tau(tree) > tau(chain)
