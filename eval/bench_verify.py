@@ -3,7 +3,8 @@
     .venv/bin/python -m eval.bench_verify --config configs/smollm2-135m-independent.yaml
 
 Speculation pays when tau tokens per forward outweigh how much slower a (k+1)-token forward is
-than a 1-token one. Measured with a KV cache holding --context tokens of an MT-bench prompt,
+than a 1-token one. Then the same for token trees (the chain plus w alternatives per position,
+decoding/tree.py) by node count. Measured with a KV cache holding --context tokens of an MT-bench prompt,
 batch 1, the recipe's dtype; each k is the median of --repeats forwards.
 """
 
@@ -19,6 +20,7 @@ from assets.chat import render
 from assets.prompts import load_mtbench
 from assets.target import load_target, load_tokenizer, resolve_target
 from decoding.kv import CachedLM
+from decoding.tree import ancestor_mask, build_tree
 from recipe import load_config
 
 
@@ -29,6 +31,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--k-max", type=int, default=8)
+    parser.add_argument("--tree-depth", type=int, default=4)
+    parser.add_argument("--tree-width-max", type=int, default=6)
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
     resolved = resolve_target(cfg.model)
@@ -55,6 +59,29 @@ def main() -> None:
         ms = statistics.median(times[2:]) * 1000
         base = base or ms
         print(f"| {k} | {k + 1} | {ms:.1f} | {ms / base:.2f}x |")
+
+    # trees as the engine builds them (decoding/tree.py): a chain of --tree-depth with w
+    # alternatives per position, one forward with the tree attention mask
+    print(f"\ntree verification, depth {args.tree_depth}: the chain plus w alternatives per "
+          "position")
+    print("| w | nodes (root included) | ms per forward | vs k=0 |")
+    print("|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for width in range(0, args.tree_width_max + 1):
+        chain = torch.tensor([prompt[-args.tree_depth:]])
+        alternatives = torch.randint(0, len(tokenizer), (1, args.tree_depth, width), generator=g)
+        tree = build_tree(torch.tensor([prompt[-args.tree_depth - 1]]), chain,
+                          alternatives if width else None)
+        seen = ancestor_mask(tree.parents)
+        times = []
+        for _ in range(args.repeats + 2):
+            lm = CachedLM(target)
+            lm.prefill(ids, torch.ones_like(ids))
+            start = time.perf_counter()
+            lm.extend_tree(tree.tokens, tree.depth, seen, tree.valid)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times[2:]) * 1000
+        print(f"| {width} | {tree.size} | {ms:.1f} | {ms / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from decoding.engine import RequestStats, generate, left_pad
 from distill import load_distilled
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig
+from recipe.config import EVAL_METHODS
 
 
 @dataclass
@@ -47,6 +48,11 @@ class MethodResult:
     draft_ms_per_step: float | None = None
     """The draft's time per engine step (one step drafts for the whole batch)."""
     draft_failures: int = 0
+    accepted_alternative: int = 0
+    """Tree modes: accepted tokens that were the draft's alternatives, not its chain."""
+    accepted_ngram: int = 0
+    """Hybrid mode: accepted tokens that only the n-gram branch proposed."""
+    tree_fallbacks: int = 0
     k_policy: str | None = None
     round_tokens_per_s: list[float] = field(default_factory=list)
     """tokens/s in each round (a round: every method on the same batch of prompts)."""
@@ -275,6 +281,9 @@ def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
         result.verify_seconds = sum(run.verify_seconds for run in m.runs)
         result.draft_ms_per_step = 1000 * result.draft_seconds / max(len(k_used), 1)
         result.draft_failures = sum(s.draft_failures for s in stats)
+        result.accepted_alternative = sum(s.accepted_alternative for s in stats)
+        result.accepted_ngram = sum(s.accepted_ngram for s in stats)
+        result.tree_fallbacks = sum(s.tree_fallbacks for s in stats)
         result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
                            f"[1, {settings.k_max}]; mean k "
                            f"{sum(k_used) / max(len(k_used), 1):.2f}"
@@ -323,28 +332,37 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
     lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
 
     def runners(settings: DecodeSettings) -> dict[str, tuple[Runner, bool]]:
-        """method -> (its runner, whether it drafts), fresh drafts and generators."""
+        """method -> (its runner, whether it drafts), fresh drafts and generators; each drafted
+        method of our engine once per eval.modes."""
         made = {}
+        for mode in ev.modes:
+            moded = dataclasses.replace(settings, tree=mode != "chain",
+                                        ngram_branch=mode == "hybrid")
+            suffix = "" if mode == "chain" else f"+{mode}"
+            if "speculative" in ev.methods:
+                made["speculative" + suffix] = engine_runner(
+                    target, moded, eos, pad, tokenizer, engine_draft(draft), cfg.run.seed), True
+                for label, other in others.items():
+                    made[label + suffix] = engine_runner(target, moded, eos, pad, tokenizer,
+                                                         engine_draft(other), cfg.run.seed), True
+            if "prompt_lookup" in ev.methods and mode == "chain":
+                # a tree adds nothing to it: it ranks no alternatives, and its n-gram branch
+                # is its own chain
+                made["prompt_lookup"] = engine_runner(target, settings, eos, pad, tokenizer,
+                                                      engine_draft(lookup, "prompt lookup"),
+                                                      cfg.run.seed), True
         for method in ev.methods:
             if method == "target":
                 made[method] = engine_runner(target, settings, eos, pad, tokenizer, None,
                                              cfg.run.seed), False
             elif method == "hf_generate":
                 made[method] = hf_runner(target, settings, eos, pad, tokenizer), False
-            elif method == "speculative":
-                made[method] = engine_runner(target, settings, eos, pad, tokenizer,
-                                             engine_draft(draft), cfg.run.seed), True
-                for label, other in others.items():
-                    made[label] = engine_runner(target, settings, eos, pad, tokenizer,
-                                                engine_draft(other), cfg.run.seed), True
             elif method == "hf_assisted" and draft.kind.hf_assistant:
                 made[method] = hf_runner(target, settings, eos, pad, tokenizer,
                                          assistant=draft.model), False
-            elif method == "prompt_lookup":
-                made[method] = engine_runner(target, settings, eos, pad, tokenizer,
-                                             engine_draft(lookup, "prompt lookup"),
-                                             cfg.run.seed), True
-        return made
+        in_order = sorted(made, key=lambda name: EVAL_METHODS.index(
+            name.split(":")[0].split("+")[0]))  # eval.methods' order, modes inside
+        return {name: made[name] for name in in_order}
 
     if "hf_assisted" in ev.methods and not draft.kind.hf_assistant:
         print(f"[eval] hf_assisted skipped: transformers' assisted generation runs an "
@@ -374,7 +392,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
               "prompts": ev.prompts,
               "num_prompts": len(prompts), "skipped_over_context": skipped,
               "settings": asdict(ev.decoding),
-              "batch_size": ev.batch_size, "device": str(device),
+              "batch_size": ev.batch_size, "device": str(device), "modes": ev.modes,
               "threads": torch.get_num_threads(),
               "rounds": len(rounds),
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
@@ -395,14 +413,17 @@ def markdown_table(report: dict) -> str:
              f"{report['prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
              f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
+             f"trees ('+tree', '+hybrid'): the chain plus {s['tree_width']} alternatives per "
+             "draft position; '+hybrid' adds the n-gram match as a branch"
+             if report.get("modes", ["chain"]) != ["chain"] else "",
              "",
              f"speedup: the median over {report.get('rounds', 1)} rounds of the round's tokens/s "
              "over plain decoding's in the same round (methods interleaved), with the quartiles; "
              "'uncertain' unless 3/4 of the rounds agree",
              "",
              "| method | tau | acceptance | alpha_k | draft ms/step | tokens/s | "
-             "speedup (q25-q75) | identical to target |",
-             "|---|---|---|---|---|---|---|---|"]
+             "speedup (q25-q75) | identical to target | accepted alternatives / n-gram |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["methods"].items():
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         rate = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
@@ -414,8 +435,10 @@ def markdown_table(report: dict) -> str:
                  if sp and r["method"] != "target" else "1.00x" if sp else "-")
         draft_ms = (f"{r['draft_ms_per_step']:.1f}" if r.get("draft_ms_per_step") is not None
                     else "-")
+        tree = (f"{r.get('accepted_alternative', 0)} / {r.get('accepted_ngram', 0)}"
+                if "+" in name else "-")
         lines.append(f"| {name} | {tau} | {rate} | {alpha} | {draft_ms} | "
-                     f"{r['tokens_per_s']:.1f} | {speed} | {same} |")
+                     f"{r['tokens_per_s']:.1f} | {speed} | {same} | {tree} |")
     return "\n".join(lines)
 
 

@@ -208,6 +208,7 @@ class DecodeSettings:
 
 
 EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup")
+EVAL_MODES = ("chain", "tree", "hybrid")
 
 
 @dataclass
@@ -235,10 +236,23 @@ class EvalConfig(DecodeSettings):
     None: all that apply (without a draft: target, hf_generate, prompt_lookup; hf_assisted only
     at batch_size 1)."""
 
+    modes: list[str] = field(default_factory=lambda: ["chain"])
+    """How each drafted method verifies, each mode measured as its own method: 'chain' (k
+    tokens in a row), 'tree' (the chain plus eval.tree_width alternatives per position),
+    'hybrid' (the tree plus the row's n-gram match as a branch). Methods are named
+    '<method>' for chain, '<method>+tree', '<method>+hybrid'."""
+
     section: ClassVar[str] = "eval."
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        bad = [m for m in self.modes if m not in EVAL_MODES]
+        if bad or not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"eval.modes={self.modes}: give distinct modes from "
+                              f"{list(EVAL_MODES)}.")
+        if self.tree or self.ngram_branch:
+            raise ConfigError("eval.tree / eval.ngram_branch are set per measured mode: use "
+                              "eval.modes=[chain,tree,hybrid] (eval.tree_width sizes the tree).")
         if self.methods is None:
             self.methods = [m for m in EVAL_METHODS if (self.draft is not None
                             or m not in ("speculative", "hf_assisted"))

@@ -7,7 +7,7 @@ import torch
 
 from decoding.engine import RequestStats
 from eval.speculative import acceptance, compare, evaluate
-from recipe import load_config
+from recipe import ConfigError, load_config
 from tests.conftest import chat_records, write_jsonl
 
 
@@ -57,6 +57,31 @@ def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
     assert spec["identical_to_target"] == 3 and 1.0 <= spec["tau"] <= 4.0
     result = compare(cfg, "Hello there", torch.device("cpu"))
     assert result["identical"] and "texts are identical" in capsys.readouterr().out
+
+
+def test_tree_and_hybrid_modes_are_measured_as_their_own_methods(peaked_target, tmp_path):
+    cfg = _cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1", "eval.k=3",
+               "eval.methods=[target, speculative, prompt_lookup]",
+               "eval.modes=[chain, tree, hybrid]", "eval.tree_width=2")
+    report = evaluate(cfg, torch.device("cpu"))
+    methods = report["methods"]
+    assert list(methods) == ["target", "speculative", "speculative+tree", "speculative+hybrid",
+                             "prompt_lookup"]
+    for name in ("speculative+tree", "speculative+hybrid"):
+        assert methods[name]["identical_to_target"] == 3, name
+    # a tree holds the chain: it accepts at least as much, here more through alternatives
+    assert methods["speculative+tree"]["tau"] >= methods["speculative"]["tau"]
+    assert methods["speculative+tree"]["accepted_alternative"] > 0
+    text = (tmp_path / "run" / "eval" / "report.md").read_text()
+    assert "the chain plus 2 alternatives per draft position" in text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("eval.modes=[chain, forest]", "eval.modes"), ("eval.tree=true", "eval.modes"),
+    ("eval.tree_width=0", "tree_width")])
+def test_bad_tree_settings_are_refused(peaked_target, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(peaked_target, tmp_path, "eval.draft=self", override)
 
 
 def test_draft_with_another_vocabulary_is_refused_before_generation(peaked_target, tmp_path):
