@@ -17,6 +17,7 @@ import torch
 
 from decoding.kv import CachedLM
 from decoding.ngram import ngram_continuation
+from decoding.schedule import StepRecord, WindowScheduler, heuristic_k
 from decoding.speculative import sampling_probs, verify
 from decoding.tree import ALTERNATIVE, NGRAM, Tree, ancestor_mask, build_tree, verify_tree
 from recipe import DecodeSettings
@@ -153,7 +154,11 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     pending, k, k_used = first, settings.k if draft is not None else 0, []
     tree_mode = draft is not None and (settings.tree or settings.ngram_branch)
+    window = (WindowScheduler(settings.window_ms, settings.k_max)
+              if settings.adaptive_k and settings.adaptive_policy == "window" else None)
     while not all(done):
+        step_draft, step_verify = draft_seconds, verify_seconds
+        active_rows = [row for row in range(batch) if not done[row]]
         start = time.perf_counter()
         if draft is not None:
             draft_tokens, draft_probs = draft.propose(k, settings, histories, generator)  # [B,k], [B,k,V]
@@ -212,9 +217,15 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     done[row] = True
                     break
         pending = result.next_token
-        if settings.adaptive_k and draft is not None:
+        if window is not None and draft is not None:
+            accepted = [accepted_rows[row] for row in active_rows]
+            window.record(StepRecord(time.perf_counter(), [len(active_rows)] * k,
+                                     [sum(n > j for n in accepted) for j in range(k)],
+                                     draft_seconds - step_draft, verify_seconds - step_verify))
+            k = window.next_k(k)
+        elif settings.adaptive_k and draft is not None:
             active = [n for n, d in zip(accepted_rows, done) if not d] or accepted_rows
-            k = min(k + 2, settings.k_max) if min(active) == k else max(k - 1, 1)
+            k = heuristic_k(k, active, settings.k_max)
     return Generation(outputs, stats, draft_seconds, verify_seconds, k_used)
 
 

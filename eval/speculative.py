@@ -284,8 +284,10 @@ def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
         result.accepted_alternative = sum(s.accepted_alternative for s in stats)
         result.accepted_ngram = sum(s.accepted_ngram for s in stats)
         result.tree_fallbacks = sum(s.tree_fallbacks for s in stats)
-        result.k_policy = (f"adaptive: +2 after a step accepting all, else -1, in "
-                           f"[1, {settings.k_max}]; mean k "
+        rule = ("the most expected tokens/s over the last "
+                f"{settings.window_ms:g} ms" if settings.adaptive_policy == "window"
+                else "+2 after a step accepting all, else -1")
+        result.k_policy = (f"adaptive ({rule}) in [1, {settings.k_max}]; mean k "
                            f"{sum(k_used) / max(len(k_used), 1):.2f}"
                            if settings.adaptive_k else f"fixed k={settings.k}")
     return result
@@ -439,6 +441,8 @@ def markdown_table(report: dict) -> str:
                 if "+" in name else "-")
         lines.append(f"| {name} | {tau} | {rate} | {alpha} | {draft_ms} | "
                      f"{r['tokens_per_s']:.1f} | {speed} | {same} | {tree} |")
+    lines += [f"- {name}: k {r['k_policy']}" for name, r in report["methods"].items()
+              if (r.get("k_policy") or "").startswith("adaptive")]
     return "\n".join(lines)
 
 

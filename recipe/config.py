@@ -172,6 +172,11 @@ class DecodeSettings:
     """Tune k online: +2 after a step where every active row accepted all k, else -1, within
     [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
     k_max: int = 8
+    adaptive_policy: str = "step"
+    """With adaptive_k: 'step' (the rule above) or 'window' (decoding/schedule.py: the k with
+    the most expected tokens per second given the acceptance per position, the draft's and the
+    target's seconds measured over the last window_ms)."""
+    window_ms: float = 100.0
     stop_strings: list[str] = field(default_factory=list)
     """A request also ends once its text contains one of these (kept in the output), besides
     the end-of-turn token."""
@@ -200,6 +205,9 @@ class DecodeSettings:
         if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
             raise ConfigError(f"{at}top_p/top_k have no effect with greedy decoding "
                               f"({at}temperature=0): set a temperature or drop them.")
+        if self.adaptive_policy not in ("step", "window") or self.window_ms <= 0:
+            raise ConfigError(f"{at}adaptive_policy={self.adaptive_policy!r} must be 'step' or "
+                              f"'window', with {at}window_ms > 0.")
         if not 1 <= self.tree_width <= 16:
             raise ConfigError(f"{at}tree_width={self.tree_width} must be in [1, 16]: each "
                               "draft position adds that many tree nodes to every verification.")
