@@ -59,36 +59,9 @@ def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.T
     the root. A candidate equal to an existing child is that child.
     """
     batch, k = chain.shape
-    rows = []
-    for b in range(batch):
-        tokens, parents, depth, source, proposal = [int(pending[b])], [-1], [0], [ROOT], [-1]
-        children: dict[tuple[int, int], int] = {}
-
-        def add(parent: int, token: int, kind: int, j: int) -> int:
-            node = children.get((parent, token))
-            if node is None:
-                node = children[(parent, token)] = len(tokens)
-                tokens.append(token)
-                parents.append(parent)
-                depth.append(depth[parent] + 1)
-                source.append(kind)
-                proposal.append(j)
-            return node
-
-        chain_nodes, node = [], 0
-        for j, token in enumerate(chain[b].tolist()):
-            node = add(node, token, DRAFT, j)
-            chain_nodes.append(node)
-        if alternatives is not None:
-            for j in range(k):
-                parent = chain_nodes[j - 1] if j else 0
-                for token in alternatives[b, j].tolist():
-                    add(parent, token, ALTERNATIVE, -1)
-        node = 0
-        for token in (ngrams[b] if ngrams else [])[:k]:
-            node = add(node, token, NGRAM, -1)
-        rows.append((tokens, parents, depth, source, proposal))
-
+    rows = [_row_tree(int(pending[b]), chain[b].tolist(),
+                      alternatives[b].tolist() if alternatives is not None else None,
+                      (ngrams[b] if ngrams else [])[:k]) for b in range(batch)]
     size = max(len(r[0]) for r in rows)
     device = chain.device
 
@@ -98,6 +71,36 @@ def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.T
 
     valid = torch.tensor([[i < len(r[0]) for i in range(size)] for r in rows], device=device)
     return Tree(padded(0, 0), padded(1, -1), padded(2, 0), valid, padded(3, ROOT), padded(4, -1))
+
+
+def _row_tree(root: int, chain: list[int], alternatives: list[list[int]] | None,
+              ngram: list[int]) -> tuple[list[int], ...]:
+    """One row's trie: (tokens, parents, depth, source, proposal) lists, root first."""
+    tokens, parents, depth, source, proposal = [root], [-1], [0], [ROOT], [-1]
+    children: dict[tuple[int, int], int] = {}
+
+    def add(parent: int, token: int, kind: int, j: int) -> int:
+        node = children.get((parent, token))
+        if node is None:
+            node = children[(parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            depth.append(depth[parent] + 1)
+            source.append(kind)
+            proposal.append(j)
+        return node
+
+    chain_nodes, node = [], 0
+    for j, token in enumerate(chain):
+        node = add(node, token, DRAFT, j)
+        chain_nodes.append(node)
+    for j, ranked in enumerate(alternatives or []):
+        for token in ranked:
+            add(chain_nodes[j - 1] if j else 0, token, ALTERNATIVE, -1)
+    node = 0
+    for token in ngram:
+        node = add(node, token, NGRAM, -1)
+    return tokens, parents, depth, source, proposal
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def main() -> None:
     print("| w | nodes (root included) | ms per forward | vs k=0 |")
     print("|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
-    for width in range(0, args.tree_width_max + 1):
+    for width in range(args.tree_width_max + 1):
         chain = torch.tensor([prompt[-args.tree_depth:]])
         alternatives = torch.randint(0, len(tokenizer), (1, args.tree_depth, width), generator=g)
         tree = build_tree(torch.tensor([prompt[-args.tree_depth - 1]]), chain,

@@ -415,9 +415,9 @@ def markdown_table(report: dict) -> str:
              f"{report['prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
              f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
-             f"trees ('+tree', '+hybrid'): the chain plus {s['tree_width']} alternatives per "
-             "draft position; '+hybrid' adds the n-gram match as a branch"
-             if report.get("modes", ["chain"]) != ["chain"] else "",
+             (f"trees ('+tree', '+hybrid'): the chain plus {s['tree_width']} alternatives per "
+              "draft position; '+hybrid' adds the n-gram match as a branch"
+              if report.get("modes", ["chain"]) != ["chain"] else ""),
              "",
              f"speedup: the median over {report.get('rounds', 1)} rounds of the round's tokens/s "
              "over plain decoding's in the same round (methods interleaved), with the quartiles; "

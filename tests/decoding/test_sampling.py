@@ -137,8 +137,7 @@ def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
     assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
 
 
-TREES = [("independent", False), ("medusa", False), ("eagle3", False), ("dflash", False),
-         ("pard", False), ("independent", True), ("eagle3", True)]
+TREES = [("independent", False), ("medusa", False), ("dflash", False), ("eagle3", True)]
 
 
 @pytest.mark.parametrize("kind,ngram_branch", TREES)

@@ -6,9 +6,28 @@ import torch
 
 from decoding.engine import DecodeSettings, generate
 from decoding.kv import CachedLM
-from decoding.tree import ALTERNATIVE, DRAFT, NGRAM, ROOT, Tree, ancestor_mask, build_tree, \
-    verify_tree
-from tests.decoding.test_engine import EOS, VOCAB, _drafts, _prompts, _reference, _tiny
+from decoding.tree import (
+    ALTERNATIVE,
+    DRAFT,
+    NGRAM,
+    ROOT,
+    Tree,
+    ancestor_mask,
+    build_tree,
+    verify_tree,
+)
+from tests.decoding.test_engine import EOS, _drafts, _prompts, _reference, _tiny
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _tiny(0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    """Built once: fitting the Medusa heads is the slow part. Each run starts its draft anew."""
+    return _drafts(target)
 
 
 def _hand_tree():
@@ -111,10 +130,9 @@ def test_the_walk_samples_the_targets_distribution_at_a_node(monkeypatch):
     assert _first_token_p_value() < 1e-6
 
 
-def test_the_cache_keeps_exactly_the_accepted_path_at_batch_2():
+def test_the_cache_keeps_exactly_the_accepted_path_at_batch_2(target):
     """After a tree step the cache equals the cache of the accepted tokens alone: the next
     forward's logits match a fresh prefill of prompt + path, per row."""
-    target = _tiny(0)
     prompts, ids, mask = _prompts([5, 9])
     lm = CachedLM(target)
     lm.prefill(ids, mask)
@@ -140,12 +158,11 @@ def test_the_cache_keeps_exactly_the_accepted_path_at_batch_2():
 @pytest.mark.parametrize("draft_name,mode", [
     ("other", "tree"), ("noisy copy", "tree"), ("nan", "tree"), ("fitted medusa", "tree"),
     ("random medusa", "tree"), ("noisy copy", "hybrid"), ("prompt lookup", "hybrid")])
-def test_greedy_tree_speculation_equals_target_greedy_batched(draft_name, mode):
-    target = _tiny(0)
+def test_greedy_tree_speculation_equals_target_greedy_batched(target, drafts, draft_name, mode):
     prompts, ids, mask = _prompts([5, 17, 9])
     settings = DecodeSettings(max_new_tokens=40, k=4, tree=True, tree_width=3,
                               ngram_branch=mode == "hybrid")
-    out = generate(target, ids, mask, settings, {EOS}, _drafts(target)[draft_name])
+    out = generate(target, ids, mask, settings, {EOS}, drafts[draft_name])
     for row, prompt in enumerate(prompts):
         assert out.tokens[row] == _reference(target, prompt, 40), f"row {row}"
     if draft_name in {"noisy copy", "fitted medusa", "other", "random medusa"}:
@@ -154,13 +171,10 @@ def test_greedy_tree_speculation_equals_target_greedy_batched(draft_name, mode):
         assert all(s.draft_failures == 1 for s in out.stats)
 
 
-def test_a_tree_accepts_at_least_what_its_chain_accepts():
-    target = _tiny(0)
+def test_a_tree_accepts_more_than_its_chain(target, drafts):
     _, ids, mask = _prompts([5, 17, 9])
-    drafts = _drafts(target)
     chain = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=4), {EOS},
                      drafts["noisy copy"])
-    drafts = _drafts(target)
     tree = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=4, tree=True),
                     {EOS}, drafts["noisy copy"])
     tau = lambda out: sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
