@@ -128,6 +128,14 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             s in decode(tokens[-tail:]) for s in settings.stop_strings)
 
     batch = input_ids.shape[0]
+    context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    depth = 0 if draft is None else settings.k_max if settings.adaptive_k else settings.k
+    longest = int(attention_mask.sum(1).max())
+    if context is not None and longest + settings.max_new_tokens + depth > context:
+        raise ValueError(
+            f"a prompt of {longest} tokens + max_new_tokens {settings.max_new_tokens} + "
+            f"{depth} draft positions (a chain's or a tree's depth, k) exceed the target's "
+            f"context of {context} positions: lower max_new_tokens or k, or shorten the prompt.")
     # head drafts (Medusa, EAGLE) read the target's hidden states of each verification
     uses_hidden = draft is not None and getattr(draft, "uses_target_hidden", False)
     target_lm = CachedLM(target, keep_hidden_states=uses_hidden)

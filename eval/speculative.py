@@ -133,7 +133,8 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
     prompts, skipped = [], 0
     for conv in conversations:
         ids = render(tokenizer, conv.first_turn(), add_generation_prompt=True)
-        if context is not None and len(ids) + ev.max_new_tokens > context:
+        # the last step verifies up to k (or k_max) draft positions past the last token
+        if context is not None and len(ids) + ev.max_new_tokens + ev.k_max_used > context:
             skipped += 1
         else:
             prompts.append(ids)

@@ -281,6 +281,11 @@ class EvalConfig(DecodeSettings):
                               "only: set eval.batch_size=1 or drop it from eval.methods.")
 
     @property
+    def k_max_used(self) -> int:
+        """The most draft tokens one step can verify (k, or k_max when adaptive)."""
+        return self.k_max if self.adaptive_k else self.k
+
+    @property
     def decoding(self) -> DecodeSettings:
         """The decoding settings alone (what the engine reads)."""
         return DecodeSettings(**{f.name: getattr(self, f.name)

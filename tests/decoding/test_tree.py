@@ -179,3 +179,13 @@ def test_a_tree_accepts_more_than_its_chain(target, drafts):
                     {EOS}, drafts["noisy copy"])
     tau = lambda out: sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
     assert tau(tree) > tau(chain)
+
+
+def test_a_tree_deeper_than_the_context_holds_is_refused_before_decoding(target, drafts):
+    _, ids, mask = _prompts([5, 17])
+    settings = DecodeSettings(max_new_tokens=1024 - 17 - 3, k=4, tree=True)  # 1 position over
+    with pytest.raises(ValueError, match="exceed the target's context of 1024"):
+        generate(target, ids, mask, settings, {EOS}, drafts["noisy copy"])
+    out = generate(target, ids[:, -5:][:1], mask[:, -5:][:1], DecodeSettings(max_new_tokens=3),
+                   {EOS}, drafts["noisy copy"])  # the check lets fitting requests through
+    assert len(out.tokens[0]) == 3
