@@ -1,6 +1,10 @@
 """The speculative decoding loop: propose k with the draft, verify in one target forward, accept
 with min(1, p/q), resample from max(p - q, 0) at a rejection, bonus token when all k pass.
 
+With settings.tree (or ngram_branch) a step verifies a token tree instead: the draft's chain,
+its ranked alternatives per position and the n-gram match, in one target forward with a tree
+mask, accepted by the lossless walk of decoding/tree.py (tree_step).
+
 Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
 Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
 of being cropped (decoding/kv.py). The settings are recipe.DecodeSettings; the draft is anything
