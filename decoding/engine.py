@@ -133,7 +133,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     batch = input_ids.shape[0]
     context = getattr(getattr(target, "config", None), "max_position_embeddings", None)
-    depth = 0 if draft is None else settings.k_max if settings.adaptive_k else settings.k
+    depth = 0 if draft is None else settings.k_max_used
     longest = int(attention_mask.sum(1).max())
     if context is not None and longest + settings.max_new_tokens + depth > context:
         raise ValueError(
@@ -156,7 +156,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  zip(input_ids, attention_mask, first.tolist())]
     outputs = [[t] for t in first.tolist()]
     done = [stopped(o) for o in outputs]
-    k_max = settings.k_max if settings.adaptive_k else settings.k
+    k_max = settings.k_max_used
     stats = [RequestStats(drafted_per_position=[0] * k_max, accepted_per_position=[0] * k_max)
              for _ in range(batch)]
     if draft is not None:
@@ -185,7 +185,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                               [ngram_continuation(h, k) for h in histories]
                               if settings.ngram_branch else None)
             result = tree_step(target_lm, tree, draft_probs, probs, generator)
-            path = result.path_tokens
+            hidden, path = result.hidden, result.path_tokens
         else:
             chunk = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
             target_probs = probs(target_lm.extend(chunk, torch.ones_like(chunk, dtype=torch.bool)))
@@ -197,10 +197,10 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         verify_seconds += time.perf_counter() - start
         if draft is not None:
             start = time.perf_counter()
-            if tree_mode:
-                draft.accept(result.num_accepted, result.next_token, result.hidden, path=path)
-            else:
-                draft.accept(result.num_accepted, result.next_token, hidden)
+            # a path only when it may leave the draft's chain: kinds written for chains alone
+            # keep their three-argument accept
+            extra = {"path": path} if tree_mode else {}
+            draft.accept(result.num_accepted, result.next_token, hidden, **extra)
             draft_seconds += time.perf_counter() - start
 
         k_used.append(k)
@@ -231,7 +231,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         pending = result.next_token
         if window is not None and draft is not None:
             accepted = [accepted_rows[row] for row in active_rows]
-            window.record(StepRecord(time.perf_counter(), [len(active_rows)] * k,
+            window.record(StepRecord(time.perf_counter(), len(active_rows),
                                      [sum(n > j for n in accepted) for j in range(k)],
                                      draft_seconds - step_draft, verify_seconds - step_verify))
             k = window.next_k(k)
@@ -276,9 +276,8 @@ def tree_step(target_lm: CachedLM, tree: Tree, draft_probs, probs, generator) ->
     result = verify_tree(tree, draft_probs, target_probs, generator)
     batch, depth = result.path.shape
     path = torch.zeros(batch, k, dtype=torch.long, device=tree.tokens.device)
-    path[:, :depth] = result.path.clamp(min=0)
+    path[:, :depth] = result.path.clamp(min=0)  # node 0 (the root) past the path
     on_path = torch.arange(k, device=path.device)[None] < result.num_accepted[:, None]
-    path = torch.where(on_path, path, 0)  # node 0 (the root) past the path
     nodes = torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, k+1]
     keep = torch.zeros_like(tree.valid)
     keep.scatter_(1, nodes, True)

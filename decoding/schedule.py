@@ -8,9 +8,9 @@ expected tokens per second,
     seconds per step(k)   = verify + k * draft_per_token
     k* = argmax_k E[tokens](k) / seconds(k),   1 <= k <= k_max,
 
-with a_j the conditional acceptance at draft position j in the window (accepted at j over
-offered at j), draft_per_token the draft's seconds per drafted position and verify the target's
-seconds per step, all measured in the window. Positions never offered in the window take the
+with a_j the conditional acceptance at draft position j in the window (rows accepting j
+among those accepting j-1), draft_per_token the draft's seconds per drafted position and
+verify the target's seconds per step, all measured in the window. Positions never offered in the window take the
 last observed rate (so k can grow past what was tried).
 """
 
@@ -43,8 +43,8 @@ def best_k(alpha: list[float], draft_per_token: float, verify: float, k_max: int
 class StepRecord:
     end: float
     """perf_counter seconds at the step's end."""
-    offered: list[int]
-    """[k] rows that were offered draft position j (rows still decoding)."""
+    rows: int
+    """Rows still decoding: each was offered the step's k draft positions."""
     accepted: list[int]
     """[k] rows that accepted draft position j."""
     draft_seconds: float
@@ -65,11 +65,11 @@ class WindowScheduler:
 
     def next_k(self, current: int) -> int:
         """current: the k to keep while the window holds no acceptance to go by."""
-        width = max(len(s.offered) for s in self.steps)
+        width = max(len(s.accepted) for s in self.steps)
         hits, bases = [0] * width, [0] * width  # conditional: accepted at j among rows at j-1
         for s in self.steps:
-            for j in range(len(s.offered)):
-                bases[j] += s.offered[0] if j == 0 else s.accepted[j - 1]
+            for j in range(len(s.accepted)):
+                bases[j] += s.rows if j == 0 else s.accepted[j - 1]
                 hits[j] += s.accepted[j]
         alpha = []
         for hit, base in zip(hits, bases):
@@ -79,6 +79,6 @@ class WindowScheduler:
         if not alpha:
             return current
         draft_per_token = (sum(s.draft_seconds for s in self.steps)
-                           / max(sum(len(s.offered) for s in self.steps), 1))
+                           / max(sum(len(s.accepted) for s in self.steps), 1))
         verify = sum(s.verify_seconds for s in self.steps) / len(self.steps)
         return best_k(alpha, max(draft_per_token, 1e-9), max(verify, 1e-9), self.k_max)

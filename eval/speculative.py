@@ -146,7 +146,7 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
 
 def check_k_fits(draft: LoadedDraft, ev: EvalConfig) -> None:
     """Refuse, up front, a k the draft cannot fill (Medusa: one token per head)."""
-    k = ev.k_max if ev.adaptive_k else ev.k
+    k = ev.k_max_used
     if draft.max_k is not None and k > draft.max_k:
         raise ConfigError(f"eval.{'k_max' if ev.adaptive_k else 'k'}={k} draft tokens, but "
                           f"{draft.name} has {draft.max_k} {draft.max_k_unit}: set it <= "

@@ -214,6 +214,11 @@ class DecodeSettings:
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ConfigError(f"{at}max_new_tokens and {at}batch_size must be >= 1.")
 
+    @property
+    def k_max_used(self) -> int:
+        """The most draft tokens one step can verify (k, or k_max when adaptive)."""
+        return self.k_max if self.adaptive_k else self.k
+
 
 EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup")
 EVAL_MODES = ("chain", "tree", "hybrid")
@@ -279,11 +284,6 @@ class EvalConfig(DecodeSettings):
         if "hf_assisted" in self.methods and self.batch_size != 1:
             raise ConfigError("hf_assisted (transformers' assisted generation) runs batch 1 "
                               "only: set eval.batch_size=1 or drop it from eval.methods.")
-
-    @property
-    def k_max_used(self) -> int:
-        """The most draft tokens one step can verify (k, or k_max when adaptive)."""
-        return self.k_max if self.adaptive_k else self.k
 
     @property
     def decoding(self) -> DecodeSettings:

@@ -32,14 +32,14 @@ def test_best_k_follows_acceptance_and_costs():
 def test_the_window_keeps_only_recent_steps_and_conditions_on_the_previous_position():
     window = WindowScheduler(window_ms=100, k_max=8)
     # an old step where nothing was accepted, then recent steps where everything was
-    window.record(StepRecord(0.0, [2, 2], [0, 0], 0.001, 0.05))
+    window.record(StepRecord(0.0, 2, [0, 0], 0.001, 0.05))
     for t in (0.5, 0.55, 0.6):
-        window.record(StepRecord(t, [2, 2], [2, 2], 0.001, 0.05))
+        window.record(StepRecord(t, 2, [2, 2], 0.001, 0.05))
     assert len(window.steps) == 3  # the step at 0.0 is out of the 100 ms window
     assert window.next_k(2) == 8
     window = WindowScheduler(window_ms=100, k_max=8)
     # position 2 accepted whenever position 1 was: conditional acceptance 1.0 at j=2
-    window.record(StepRecord(0.0, [4, 4], [1, 1], 0.0001, 0.05))
+    window.record(StepRecord(0.0, 4, [1, 1], 0.0001, 0.05))
     assert window.next_k(2) == best_k([0.25, 1.0], 0.0001 / 2, 0.05, 8)
 
 
