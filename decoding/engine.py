@@ -183,7 +183,8 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         if tree_mode:
             tree = build_tree(pending, draft_tokens, alternatives(draft, draft_tokens, settings),
                               [ngram_continuation(h, k) for h in histories]
-                              if settings.ngram_branch else None)
+                              if settings.ngram_branch else None,
+                              [tuple(p) for p in settings.tree_paths] or None)
             result = tree_step(target_lm, tree, draft_probs, probs, generator)
             hidden, path = result.hidden, result.path_tokens
         else:

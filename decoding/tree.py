@@ -47,20 +47,34 @@ class Tree:
         return self.tokens.shape[1]
 
 
+def default_paths(k: int, width: int) -> list[tuple[int, ...]]:
+    """The tree shape used without a static one: the chain (rank 0 at every depth) and, below
+    each chain node and the root, the next position's width alternatives (ranks 1..width)."""
+    chain = [(0,) * depth for depth in range(1, k + 1)]
+    return chain + [(0,) * depth + (rank,) for depth in range(k) for rank in range(1, width + 1)]
+
+
 def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.Tensor | None,
-               ngrams: list[list[int]] | None = None) -> Tree:
+               ngrams: list[list[int]] | None = None,
+               paths: list[tuple[int, ...]] | None = None) -> Tree:
     """One tree per row from the draft's chain and its alternatives, merged as a trie.
 
     pending [B], chain [B, k] (the draft's proposal, sampled from its q), alternatives
-    [B, k, m] or None (the draft's m likeliest tokens at each position, its own order): the
-    alternatives at position j hang below the chain's node j-1 (they are what the draft would
-    have proposed there instead, given the same prefix) as fixed candidates. ngrams: per row up
-    to k tokens continuing the pending token (an n-gram match), inserted as one more branch from
-    the root. A candidate equal to an existing child is that child.
+    [B, k, m] or None (the draft's m likeliest tokens at each position besides the chain's, its
+    own order). paths (a static tree, recipe.DecodeSettings.tree_paths; default: default_paths(k, m)) place them: the node of
+    path (r_1..r_d) holds the depth-d candidate of rank r_d (rank 0: chain[d-1], sampled from q;
+    rank r: alternatives[d-1, r-1], a fixed candidate) below the node of (r_1..r_{d-1}). Paths
+    deeper than k or with ranks the draft did not rank are left out; a node is tested before
+    its later siblings in (depth, ranks) order, the chain first. ngrams: per row up to k tokens
+    continuing the pending token (an n-gram match), inserted as one more branch from the root. A
+    candidate equal to an existing child is that child.
     """
     batch, k = chain.shape
+    width = 0 if alternatives is None else alternatives.shape[-1]
+    shape = default_paths(k, width) if paths is None else sorted(
+        (tuple(p) for p in paths if len(p) <= k and max(p) <= width), key=lambda p: (len(p), p))
     rows = [_row_tree(int(pending[b]), chain[b].tolist(),
-                      alternatives[b].tolist() if alternatives is not None else None,
+                      alternatives[b].tolist() if alternatives is not None else None, shape,
                       (ngrams[b] if ngrams else [])[:k]) for b in range(batch)]
     size = max(len(r[0]) for r in rows)
     device = chain.device
@@ -74,7 +88,7 @@ def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.T
 
 
 def _row_tree(root: int, chain: list[int], alternatives: list[list[int]] | None,
-              ngram: list[int]) -> tuple[list[int], ...]:
+              paths: list[tuple[int, ...]], ngram: list[int]) -> tuple[list[int], ...]:
     """One row's trie: (tokens, parents, depth, source, proposal) lists, root first."""
     tokens, parents, depth, source, proposal = [root], [-1], [0], [ROOT], [-1]
     children: dict[tuple[int, int], int] = {}
@@ -90,13 +104,14 @@ def _row_tree(root: int, chain: list[int], alternatives: list[list[int]] | None,
             proposal.append(j)
         return node
 
-    chain_nodes, node = [], 0
-    for j, token in enumerate(chain):
-        node = add(node, token, DRAFT, j)
-        chain_nodes.append(node)
-    for j, ranked in enumerate(alternatives or []):
-        for token in ranked:
-            add(chain_nodes[j - 1] if j else 0, token, ALTERNATIVE, -1)
+    nodes = {(): 0}
+    for path in paths:  # sorted by depth: a path's parent is placed before it
+        j, rank = len(path) - 1, path[-1]
+        if not any(path):  # the chain: sampled from q at position j
+            nodes[path] = add(nodes[path[:-1]], chain[j], DRAFT, j)
+        else:
+            nodes[path] = add(nodes[path[:-1]], chain[j] if rank == 0 else
+                              alternatives[j][rank - 1], ALTERNATIVE, -1)
     node = 0
     for token in ngram:
         node = add(node, token, NGRAM, -1)

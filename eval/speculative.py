@@ -145,8 +145,15 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
 
 
 def check_k_fits(draft: LoadedDraft, ev: EvalConfig) -> None:
-    """Refuse, up front, a k the draft cannot fill (Medusa: one token per head)."""
+    """Refuse, up front, a k or a static tree the draft cannot fill (Medusa: one token per
+    head)."""
     k = ev.k_max_used
+    depth = max((len(p) for p in ev.tree_paths), default=0)
+    if draft.max_k is not None and depth > draft.max_k:
+        raise ConfigError(f"eval.tree_paths reach depth {depth}, but {draft.name} has "
+                          f"{draft.max_k} {draft.max_k_unit}: a static tree may use at most "
+                          f"{draft.max_k} (drop the deeper paths, or train more "
+                          f"{draft.max_k_unit}).")
     if draft.max_k is not None and k > draft.max_k:
         raise ConfigError(f"eval.{'k_max' if ev.adaptive_k else 'k'}={k} draft tokens, but "
                           f"{draft.name} has {draft.max_k} {draft.max_k_unit}: set it <= "
@@ -340,7 +347,8 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         made = {}
         for mode in ev.modes:
             moded = dataclasses.replace(settings, tree=mode != "chain",
-                                        ngram_branch=mode == "hybrid")
+                                        ngram_branch=mode == "hybrid",
+                                        tree_paths=ev.tree_paths if mode != "chain" else [])
             suffix = "" if mode == "chain" else f"+{mode}"
             if "speculative" in ev.methods:
                 made["speculative" + suffix] = engine_runner(
@@ -396,6 +404,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
               "num_prompts": len(prompts), "skipped_over_context": skipped,
               "settings": asdict(ev.decoding),
               "batch_size": ev.batch_size, "device": str(device), "modes": ev.modes,
+              "tree_paths": ev.tree_paths,
               "threads": torch.get_num_threads(),
               "rounds": len(rounds),
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
@@ -416,8 +425,10 @@ def markdown_table(report: dict) -> str:
              f"{report['prompts']} prompts, max_new_tokens {s['max_new_tokens']}, "
              f"T={s['temperature']}, k={s['k']}{' (adaptive)' if s['adaptive_k'] else ''}, "
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
-             (f"trees ('+tree', '+hybrid'): the chain plus {s['tree_width']} alternatives per "
-              "draft position; '+hybrid' adds the n-gram match as a branch"
+             (("trees ('+tree', '+hybrid'): " + (
+                 f"the static tree {report['tree_paths']}" if report.get("tree_paths") else
+                 f"the chain plus {s['tree_width']} alternatives per draft position")
+               + "; '+hybrid' adds the n-gram match as a branch")
               if report.get("modes", ["chain"]) != ["chain"] else ""),
              "",
              f"speedup: the median over {report.get('rounds', 1)} rounds of the round's tokens/s "

@@ -191,6 +191,11 @@ class DecodeSettings:
     ngram_branch: bool = False
     """Hybrid drafting: the row's n-gram match (prompt lookup, up to k tokens) as one more
     branch of the tree; its accepted tokens are counted apart."""
+    tree_paths: list[list[int]] = field(default_factory=list)
+    """A static tree for tree steps (Medusa's 'choices'), instead of the chain with its
+    alternatives: each path the ranks taken from the root, rank 0 the draft's proposal at that
+    depth, rank r in 1..tree_width its r-th likeliest other token; every path's parent listed
+    too, depth <= k. E.g. [[0],[1],[0,0],[0,1],[1,0],[0,0,0]]. Empty: the default shape."""
 
     section: ClassVar[str] = ""  # how messages name the fields: '' or 'eval.'
 
@@ -213,6 +218,39 @@ class DecodeSettings:
                               "draft position adds that many tree nodes to every verification.")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ConfigError(f"{at}max_new_tokens and {at}batch_size must be >= 1.")
+        if self.tree_paths:
+            self._check_tree_paths()
+
+    def _check_tree_paths(self) -> None:
+        at, paths = self.section, [tuple(p) for p in self.tree_paths]
+        fix = f"fix {at}tree_paths (or leave it empty for the default tree)."
+        if not self.uses_trees:
+            raise ConfigError(f"{at}tree_paths is set but no step verifies a tree: "
+                              + ("add 'tree' or 'hybrid' to eval.modes" if at else
+                                 "set tree=true") + " or drop tree_paths.")
+        for path in paths:
+            if not path:
+                raise ConfigError(f"{at}tree_paths has an empty path (the root is implicit): {fix}")
+            if any(not isinstance(r, int) or not 0 <= r <= self.tree_width for r in path):
+                raise ConfigError(f"{at}tree_paths: path {list(path)} names a rank outside "
+                                  f"[0, {at}tree_width={self.tree_width}] (rank r >= 1 is the "
+                                  f"draft's r-th alternative at that depth): {fix}")
+            if len(path) > 1 and path[:-1] not in set(paths):
+                raise ConfigError(f"{at}tree_paths: path {list(path)} has no parent, "
+                                  f"{list(path[:-1])} must be listed too: {fix}")
+        if len(set(paths)) != len(paths):
+            raise ConfigError(f"{at}tree_paths lists a path twice: {fix}")
+        depth = max(len(p) for p in paths)
+        if depth > self.k_max_used:
+            name = "k_max" if self.adaptive_k else "k"
+            raise ConfigError(f"{at}tree_paths reach depth {depth} but {at}{name}="
+                              f"{self.k_max_used} positions are drafted: raise {at}{name} to "
+                              f"{depth} or drop the deeper paths.")
+
+    @property
+    def uses_trees(self) -> bool:
+        """Whether some step verifies a tree (EvalConfig: whether a mode does)."""
+        return self.tree
 
     @property
     def k_max_used(self) -> int:
@@ -257,6 +295,10 @@ class EvalConfig(DecodeSettings):
 
     section: ClassVar[str] = "eval."
 
+    @property
+    def uses_trees(self) -> bool:
+        return bool({"tree", "hybrid"} & set(self.modes))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         bad = [m for m in self.modes if m not in EVAL_MODES]
@@ -287,9 +329,11 @@ class EvalConfig(DecodeSettings):
 
     @property
     def decoding(self) -> DecodeSettings:
-        """The decoding settings alone (what the engine reads)."""
+        """The decoding settings alone (what the engine reads), for chain steps: the modes set
+        tree, ngram_branch and tree_paths per measured method."""
         return DecodeSettings(**{f.name: getattr(self, f.name)
-                                 for f in dataclasses.fields(DecodeSettings)})
+                                 for f in dataclasses.fields(DecodeSettings)
+                                 if f.name != "tree_paths"})
 
 
 LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")

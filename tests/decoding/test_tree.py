@@ -14,6 +14,7 @@ from decoding.tree import (
     Tree,
     ancestor_mask,
     build_tree,
+    default_paths,
     verify_tree,
 )
 from tests.decoding.test_engine import EOS, _drafts, _prompts, _reference, _tiny
@@ -66,6 +67,51 @@ def test_build_tree_merges_candidates_into_a_trie():
     assert len(nodes) == 1 + 3 + 2 + 1 + 2 + 1
     assert tree.proposal[0, 1:4].tolist() == [0, 1, 2]
     assert all(int(tree.parents[0, i]) < i for i in range(1, len(nodes)))  # parents first
+
+
+def _nodes_by_path(tree: Tree, row: int = 0) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Each valid node as its token path from the root -> (node index, source)."""
+    found = {}
+    for node in range(1, tree.size):
+        if tree.valid[row, node]:
+            tokens, at = [], node
+            while at > 0:
+                tokens.append(int(tree.tokens[row, at]))
+                at = int(tree.parents[row, at])
+            found[tuple(reversed(tokens))] = (node, int(tree.source[row, node]))
+    return found
+
+
+def test_a_static_tree_places_ranks_by_path():
+    chain = torch.tensor([[5, 6, 7]])
+    alternatives = torch.tensor([[[8, 9], [10, 11], [12, 13]]])
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 2), (0, 0, 0)]
+    tree = build_tree(torch.tensor([4]), chain, alternatives, paths=paths)
+    nodes = _nodes_by_path(tree)
+    assert set(nodes) == {(5,), (8,), (9,), (5, 6), (5, 10), (8, 6), (8, 11), (5, 6, 7)}
+    # the chain is sampled from q (DRAFT, its position); a rank-0 token off the chain is a fixed
+    # candidate (its q was conditioned on the chain's prefix, not on 8)
+    assert nodes[(5, 6, 7)][1] == DRAFT and nodes[(8, 6)][1] == ALTERNATIVE
+    assert tree.proposal[0, nodes[(5, 6)][0]] == 1 and tree.proposal[0, nodes[(8, 6)][0]] == -1
+    assert all(int(tree.parents[0, i]) < i for i in range(1, tree.size))
+    # the chain comes first among siblings, then ranks in order: tested in that order
+    assert nodes[(5,)][0] < nodes[(8,)][0] < nodes[(9,)][0]
+    # paths deeper than k, or naming ranks the draft did not rank, are left out
+    short = build_tree(torch.tensor([4]), chain[:, :2], alternatives[:, :2, :1], paths=paths)
+    assert set(_nodes_by_path(short)) == {(5,), (8,), (5, 6), (5, 10), (8, 6)}
+    chain_only = build_tree(torch.tensor([4]), chain, None, paths=paths)
+    assert set(_nodes_by_path(chain_only)) == {(5,), (5, 6), (5, 6, 7)}
+
+
+def test_the_default_shape_is_the_chain_with_its_alternatives():
+    chain = torch.tensor([[5, 6, 7]])
+    alternatives = torch.tensor([[[8, 9], [10, 11], [12, 13]]])
+    default = build_tree(torch.tensor([4]), chain, alternatives)
+    explicit = build_tree(torch.tensor([4]), chain, alternatives, paths=default_paths(3, 2))
+    assert _nodes_by_path(default).keys() == _nodes_by_path(explicit).keys()
+    assert {p: n[1] for p, n in _nodes_by_path(default).items()} == {
+        p: n[1] for p, n in _nodes_by_path(explicit).items()}
+    assert len(default_paths(3, 2)) == 3 + 3 * 2
 
 
 def _one_hot_targets(tree: Tree, argmax: dict[int, int], vocab: int = 32):
@@ -169,6 +215,35 @@ def test_greedy_tree_speculation_equals_target_greedy_batched(target, drafts, dr
         assert sum(s.accepted_alternative for s in out.stats) > 0  # the tree was used
     if draft_name == "nan":
         assert all(s.draft_failures == 1 for s in out.stats)
+
+
+@pytest.mark.parametrize("draft_name", ["fitted medusa", "noisy copy"])
+def test_greedy_static_tree_speculation_equals_target_greedy(target, drafts, draft_name):
+    prompts, ids, mask = _prompts([5, 17, 9])
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0],
+             [0, 0, 0, 0]]
+    settings = DecodeSettings(max_new_tokens=40, k=4, tree=True, tree_width=2, tree_paths=paths)
+    out = generate(target, ids, mask, settings, {EOS}, drafts[draft_name])
+    for row, prompt in enumerate(prompts):
+        assert out.tokens[row] == _reference(target, prompt, 40), f"row {row}"
+    assert sum(s.accepted_alternative for s in out.stats) > 0
+    assert all(s.drafted == s.steps * len(paths) for s in out.stats)  # every node, every step
+
+
+@pytest.mark.parametrize("paths,message", [
+    ([[0], [0, 3]], "rank outside"),
+    ([[0], [1, 0]], "has no parent"),
+    ([[0], [0]], "twice"),
+    ([[]], "empty path"),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "depth 5 but k=4"),
+])
+def test_bad_static_trees_are_refused(paths, message):
+    from recipe import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        DecodeSettings(k=4, tree=True, tree_width=2, tree_paths=paths)
+    with pytest.raises(ConfigError, match="no step verifies a tree"):
+        DecodeSettings(k=4, tree_paths=[[0]])
 
 
 def test_a_tree_accepts_more_than_its_chain(target, drafts):

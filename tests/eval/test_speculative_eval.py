@@ -125,14 +125,16 @@ def medusa_folder(peaked_target, tmp_path):
 def test_medusa_heads_and_an_independent_draft_in_one_run(peaked_target, medusa_folder,
                                                           tmp_path, capsys):
     cfg = _cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=3",
-               "eval.compare_drafts=[layer-truncated:1]")
+               "eval.compare_drafts=[layer-truncated:1]", "eval.modes=[chain,tree]",
+               "eval.tree_width=2", "eval.tree_paths=[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]")
     report = evaluate(cfg, torch.device("cpu"))
     methods = report["methods"]
     assert "hf_assisted" not in methods and "hf_assisted skipped" in capsys.readouterr().out
-    for name in ("speculative", "speculative:layer-truncated:1"):
+    for name in ("speculative", "speculative:layer-truncated:1", "speculative+tree"):
         assert methods[name]["identical_to_target"] == 3, name
         assert 1.0 <= methods[name]["tau"] <= 4.0 and len(methods[name]["alpha"]) == 3
     assert "Medusa, 3 heads" in report["draft"]
+    assert "the static tree [[0], [1]" in (tmp_path / "run" / "eval" / "report.md").read_text()
 
 
 def test_more_draft_tokens_than_medusa_heads_is_refused_before_generation(
@@ -141,6 +143,10 @@ def test_more_draft_tokens_than_medusa_heads_is_refused_before_generation(
 
     with pytest.raises(ConfigError, match="eval.k=4 draft tokens, but .* has 3 heads"):
         evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=4"),
+                 torch.device("cpu"))
+    with pytest.raises(ConfigError, match="tree_paths reach depth 4, but .* has 3 heads"):
+        evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=4",
+                      "eval.modes=[tree]", "eval.tree_paths=[[0],[0,0],[0,0,0],[0,0,0,0]]"),
                  torch.device("cpu"))
 
 
