@@ -1,9 +1,11 @@
 """The speculative decoding loop: propose k with the draft, verify in one target forward, accept
 with min(1, p/q), resample from max(p - q, 0) at a rejection, bonus token when all k pass.
 
-With settings.tree (or ngram_branch) a step verifies a token tree instead: the draft's chain,
-its ranked alternatives per position and the n-gram match, in one target forward with a tree
-mask, accepted by the lossless walk of decoding/tree.py (tree_step).
+With settings.tree (or ngram_branch) a step verifies a token tree instead: the draft's chain
+with its ranked alternatives per position (or a static tree of ranks, settings.tree_paths, or
+a dynamic EAGLE-2 tree the draft expands, settings.tree_nodes) and the n-gram match, in one
+target forward with a tree mask, accepted by the lossless walk of decoding/tree.py
+(tree_step).
 
 Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
 Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
@@ -23,7 +25,15 @@ from decoding.kv import CachedLM
 from decoding.ngram import ngram_continuation
 from decoding.schedule import StepRecord, WindowScheduler, heuristic_k
 from decoding.speculative import sampling_probs, verify
-from decoding.tree import ALTERNATIVE, NGRAM, Tree, ancestor_mask, build_tree, verify_tree
+from decoding.tree import (
+    ALTERNATIVE,
+    NGRAM,
+    Tree,
+    ancestor_mask,
+    build_tree,
+    dynamic_tree,
+    verify_tree,
+)
 from recipe import DecodeSettings
 
 
@@ -65,6 +75,11 @@ class Draft(Protocol):
     scores: torch.Tensor | None
     """Optional: [B, k, V] the unfiltered logits behind the last proposal, which rank the
     alternatives a tree adds at each position. A kind without it drafts chains in trees."""
+
+    # Optional, for dynamic trees (settings.tree_nodes): propose_tree(k, width, generator) ->
+    # candidates (tokens, parents, scores) [B, M] for decoding.tree.dynamic_tree, the draft's
+    # own cache left as before (accept then receives the accepted path). Kinds without it use
+    # the default tree shape.
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
@@ -166,14 +181,25 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     pending, k, k_used = first, settings.k if draft is not None else 0, []
     tree_mode = draft is not None and (settings.tree or settings.ngram_branch)
+    dynamic = tree_mode and settings.tree and settings.tree_nodes > 0 and hasattr(
+        draft, "propose_tree")
     window = (WindowScheduler(settings.window_ms, settings.k_max)
               if settings.adaptive_k and settings.adaptive_policy == "window" else None)
     while not all(done):
         step_draft, step_verify = draft_seconds, verify_seconds
         active_rows = [row for row in range(batch) if not done[row]]
         start = time.perf_counter()
-        if draft is not None:
+        ngrams = [ngram_continuation(h, k) for h in histories] if settings.ngram_branch else None
+        if dynamic:
+            tree = dynamic_tree(pending, *draft.propose_tree(k, settings.tree_width, generator),
+                                settings.tree_nodes, ngrams, k)
+            draft_probs = None
+        elif draft is not None:
             draft_tokens, draft_probs = draft.propose(k, settings, histories, generator)  # [B,k], [B,k,V]
+            if tree_mode:
+                tree = build_tree(pending, draft_tokens,
+                                  alternatives(draft, draft_tokens, settings), ngrams,
+                                  [tuple(p) for p in settings.tree_paths] or None)
         else:
             draft_tokens = pending.new_empty(batch, 0)
             draft_probs = None
@@ -181,11 +207,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
         start = time.perf_counter()
         if tree_mode:
-            tree = build_tree(pending, draft_tokens, alternatives(draft, draft_tokens, settings),
-                              [ngram_continuation(h, k) for h in histories]
-                              if settings.ngram_branch else None,
-                              [tuple(p) for p in settings.tree_paths] or None)
-            result = tree_step(target_lm, tree, draft_probs, probs, generator)
+            result = tree_step(target_lm, tree, k, draft_probs, probs, generator)
             hidden, path = result.hidden, result.path_tokens
         else:
             chunk = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
@@ -268,10 +290,11 @@ class TreeStep:
     root's), one [B, k+1, H] per layer; None unless the target keeps them."""
 
 
-def tree_step(target_lm: CachedLM, tree: Tree, draft_probs, probs, generator) -> TreeStep:
-    """Verify one tree per row in one target forward (tree attention); the target's cache keeps
-    exactly the root and the accepted path."""
-    k = draft_probs.shape[1]
+def tree_step(target_lm: CachedLM, tree: Tree, k: int, draft_probs, probs,
+              generator) -> TreeStep:
+    """Verify one tree per row (depth <= k) in one target forward (tree attention); the target's
+    cache keeps exactly the root and the accepted path. draft_probs [B, k, V] or None (every
+    node a fixed candidate)."""
     target_probs = probs(target_lm.extend_tree(tree.tokens, tree.depth,
                                                ancestor_mask(tree.parents), tree.valid))
     result = verify_tree(tree, draft_probs, target_probs, generator)

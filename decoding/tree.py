@@ -61,61 +61,109 @@ def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.T
 
     pending [B], chain [B, k] (the draft's proposal, sampled from its q), alternatives
     [B, k, m] or None (the draft's m likeliest tokens at each position besides the chain's, its
-    own order). paths (a static tree, recipe.DecodeSettings.tree_paths; default: default_paths(k, m)) place them: the node of
-    path (r_1..r_d) holds the depth-d candidate of rank r_d (rank 0: chain[d-1], sampled from q;
-    rank r: alternatives[d-1, r-1], a fixed candidate) below the node of (r_1..r_{d-1}). Paths
-    deeper than k or with ranks the draft did not rank are left out; a node is tested before
-    its later siblings in (depth, ranks) order, the chain first. ngrams: per row up to k tokens
-    continuing the pending token (an n-gram match), inserted as one more branch from the root. A
-    candidate equal to an existing child is that child.
+    own order). paths (a static tree, recipe.DecodeSettings.tree_paths; default:
+    default_paths(k, m)) place them: the node of path (r_1..r_d) holds the depth-d candidate of
+    rank r_d (rank 0: chain[d-1], sampled from q; rank r: alternatives[d-1, r-1], a fixed
+    candidate) below the node of (r_1..r_{d-1}). Paths deeper than k or with ranks the draft
+    did not rank are left out; a node is tested before its later siblings in (depth, ranks)
+    order, the chain first. ngrams: per row up to k tokens continuing the pending token (an
+    n-gram match), inserted as one more branch from the root. A candidate equal to an existing
+    child is that child.
     """
     batch, k = chain.shape
     width = 0 if alternatives is None else alternatives.shape[-1]
     shape = default_paths(k, width) if paths is None else sorted(
         (tuple(p) for p in paths if len(p) <= k and max(p) <= width), key=lambda p: (len(p), p))
-    rows = [_row_tree(int(pending[b]), chain[b].tolist(),
-                      alternatives[b].tolist() if alternatives is not None else None, shape,
-                      (ngrams[b] if ngrams else [])[:k]) for b in range(batch)]
-    size = max(len(r[0]) for r in rows)
-    device = chain.device
+    tries = []
+    for b in range(batch):
+        trie, nodes = _Trie(int(pending[b])), {(): 0}
+        row_chain = chain[b].tolist()
+        row_alternatives = alternatives[b].tolist() if alternatives is not None else None
+        for path in shape:  # sorted by depth: a path's parent is placed before it
+            j, rank = len(path) - 1, path[-1]
+            if not any(path):  # the chain: sampled from q at position j
+                nodes[path] = trie.add(nodes[path[:-1]], row_chain[j], DRAFT, j)
+            else:  # a rank-0 token off the chain is fixed too: its q saw the chain's prefix
+                nodes[path] = trie.add(nodes[path[:-1]], row_chain[j] if rank == 0 else
+                                       row_alternatives[j][rank - 1], ALTERNATIVE, -1)
+        trie.add_branch((ngrams[b] if ngrams else [])[:k])
+        tries.append(trie)
+    return _stack(tries, chain.device)
 
-    def padded(index: int, fill: int) -> torch.Tensor:
-        return torch.tensor([r[index] + [fill] * (size - len(r[index])) for r in rows],
-                            dtype=torch.long, device=device)
 
-    valid = torch.tensor([[i < len(r[0]) for i in range(size)] for r in rows], device=device)
-    return Tree(padded(0, 0), padded(1, -1), padded(2, 0), valid, padded(3, ROOT), padded(4, -1))
+def dynamic_tree(pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                 scores: torch.Tensor, size: int, ngrams: list[list[int]] | None = None,
+                 max_depth: int | None = None) -> Tree:
+    """EAGLE-2's tree: of the draft's expanded candidates, the `size` with the highest
+    cumulative log-probability, every node a fixed candidate (tested as a point mass).
+
+    pending [B]; tokens, parents, scores [B, M]: candidate m is token tokens[m] below candidate
+    parents[m] (-1: the root), its score the draft's log-probability of the whole path to it
+    (-inf: no candidate); parents come before their children, siblings in the draft's rank
+    order. A path's score never exceeds its parent's, so the best `size` (ties: the earlier)
+    keep their ancestors. The first child of the root, of that child, and so on (the draft's
+    greedy chain) counts as DRAFT, the others as ALTERNATIVE. ngrams: as in build_tree (up to
+    max_depth tokens).
+    """
+    batch, _ = tokens.shape
+    order = torch.argsort(-scores.float(), dim=1, stable=True)[:, :size]  # [B, size]
+    tries = []
+    for b in range(batch):
+        keep = sorted(m for m in order[b].tolist() if scores[b, m] > float("-inf"))
+        trie, nodes, greedy, parents_seen = _Trie(int(pending[b])), {-1: 0}, {0}, set()
+        row_tokens, row_parents = tokens[b].tolist(), parents[b].tolist()
+        for m in keep:
+            parent = nodes.get(row_parents[m])
+            if parent is None:  # its parent fell out of the tree (only after equal scores)
+                continue
+            first = parent in greedy and parent not in parents_seen
+            parents_seen.add(parent)
+            nodes[m] = trie.add(parent, row_tokens[m], DRAFT if first else ALTERNATIVE, -1)
+            if first:
+                greedy.add(nodes[m])
+        trie.add_branch((ngrams[b] if ngrams else [])[:max_depth])
+        tries.append(trie)
+    return _stack(tries, tokens.device)
 
 
-def _row_tree(root: int, chain: list[int], alternatives: list[list[int]] | None,
-              paths: list[tuple[int, ...]], ngram: list[int]) -> tuple[list[int], ...]:
-    """One row's trie: (tokens, parents, depth, source, proposal) lists, root first."""
-    tokens, parents, depth, source, proposal = [root], [-1], [0], [ROOT], [-1]
-    children: dict[tuple[int, int], int] = {}
+class _Trie:
+    """One row's tree under construction, root first; a token added twice below the same
+    parent is one node."""
 
-    def add(parent: int, token: int, kind: int, j: int) -> int:
-        node = children.get((parent, token))
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.depth = [root], [-1], [0]
+        self.source, self.proposal = [ROOT], [-1]
+        self.children: dict[tuple[int, int], int] = {}
+
+    def add(self, parent: int, token: int, kind: int, j: int) -> int:
+        node = self.children.get((parent, token))
         if node is None:
-            node = children[(parent, token)] = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            depth.append(depth[parent] + 1)
-            source.append(kind)
-            proposal.append(j)
+            node = self.children[(parent, token)] = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depth.append(self.depth[parent] + 1)
+            self.source.append(kind)
+            self.proposal.append(j)
         return node
 
-    nodes = {(): 0}
-    for path in paths:  # sorted by depth: a path's parent is placed before it
-        j, rank = len(path) - 1, path[-1]
-        if not any(path):  # the chain: sampled from q at position j
-            nodes[path] = add(nodes[path[:-1]], chain[j], DRAFT, j)
-        else:
-            nodes[path] = add(nodes[path[:-1]], chain[j] if rank == 0 else
-                              alternatives[j][rank - 1], ALTERNATIVE, -1)
-    node = 0
-    for token in ngram:
-        node = add(node, token, NGRAM, -1)
-    return tokens, parents, depth, source, proposal
+    def add_branch(self, tokens: list[int]) -> None:
+        """An n-gram match as a branch from the root (merged where it follows existing nodes)."""
+        node = 0
+        for token in tokens:
+            node = self.add(node, token, NGRAM, -1)
+
+
+def _stack(tries: list[_Trie], device) -> Tree:
+    """Rows padded to the largest tree."""
+    size = max(len(t.tokens) for t in tries)
+
+    def padded(name: str, fill: int) -> torch.Tensor:
+        return torch.tensor([getattr(t, name) + [fill] * (size - len(t.tokens)) for t in tries],
+                            dtype=torch.long, device=device)
+
+    valid = torch.tensor([[i < len(t.tokens) for i in range(size)] for t in tries], device=device)
+    return Tree(padded("tokens", 0), padded("parents", -1), padded("depth", 0), valid,
+                padded("source", ROOT), padded("proposal", -1))
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

@@ -348,7 +348,8 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         for mode in ev.modes:
             moded = dataclasses.replace(settings, tree=mode != "chain",
                                         ngram_branch=mode == "hybrid",
-                                        tree_paths=ev.tree_paths if mode != "chain" else [])
+                                        tree_paths=ev.tree_paths if mode != "chain" else [],
+                                        tree_nodes=ev.tree_nodes if mode != "chain" else 0)
             suffix = "" if mode == "chain" else f"+{mode}"
             if "speculative" in ev.methods:
                 made["speculative" + suffix] = engine_runner(
@@ -404,7 +405,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
               "num_prompts": len(prompts), "skipped_over_context": skipped,
               "settings": asdict(ev.decoding),
               "batch_size": ev.batch_size, "device": str(device), "modes": ev.modes,
-              "tree_paths": ev.tree_paths,
+              "tree_paths": ev.tree_paths, "tree_nodes": ev.tree_nodes,
               "threads": torch.get_num_threads(),
               "rounds": len(rounds),
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
@@ -427,7 +428,10 @@ def markdown_table(report: dict) -> str:
              f"batch {report['batch_size']}, {report['device']} x{report['threads']} threads",
              (("trees ('+tree', '+hybrid'): " + (
                  f"the static tree {report['tree_paths']}" if report.get("tree_paths") else
-                 f"the chain plus {s['tree_width']} alternatives per draft position")
+                 f"dynamic (EAGLE-2) trees of {report['tree_nodes']} nodes, {s['tree_width']} "
+                 "expanded per depth, for drafts that expand them (EAGLE-3), else the chain plus "
+                 f"{s['tree_width']} alternatives per draft position" if report.get("tree_nodes")
+                 else f"the chain plus {s['tree_width']} alternatives per draft position")
                + "; '+hybrid' adds the n-gram match as a branch")
               if report.get("modes", ["chain"]) != ["chain"] else ""),
              "",

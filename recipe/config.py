@@ -196,6 +196,11 @@ class DecodeSettings:
     alternatives: each path the ranks taken from the root, rank 0 the draft's proposal at that
     depth, rank r in 1..tree_width its r-th likeliest other token; every path's parent listed
     too, depth <= k. E.g. [[0],[1],[0,0],[0,1],[1,0],[0,0,0]]. Empty: the default shape."""
+    tree_nodes: int = 0
+    """> 0: a dynamic tree (EAGLE-2) for drafts that expand one (EAGLE-3 heads): at each of
+    the k depths the tree_width best nodes are expanded into their tree_width likeliest tokens,
+    and the tree_nodes candidates of highest cumulative draft probability are verified. Other
+    kinds keep the default shape. 0: off."""
 
     section: ClassVar[str] = ""  # how messages name the fields: '' or 'eval.'
 
@@ -220,6 +225,17 @@ class DecodeSettings:
             raise ConfigError(f"{at}max_new_tokens and {at}batch_size must be >= 1.")
         if self.tree_paths:
             self._check_tree_paths()
+        if self.tree_nodes:
+            if not 1 <= self.tree_nodes <= 256:
+                raise ConfigError(f"{at}tree_nodes={self.tree_nodes} must be in [1, 256] (or 0 "
+                                  "for no dynamic tree): every node is verified each step.")
+            if self.tree_paths:
+                raise ConfigError(f"{at}tree_nodes (a dynamic tree) and {at}tree_paths (a static "
+                                  "one) contradict each other: set one of them.")
+            if not self.uses_trees:
+                raise ConfigError(f"{at}tree_nodes is set but no step verifies a tree: "
+                                  + ("add 'tree' or 'hybrid' to eval.modes" if at else
+                                     "set tree=true") + " or set it to 0.")
 
     def _check_tree_paths(self) -> None:
         at, paths = self.section, [tuple(p) for p in self.tree_paths]
@@ -330,10 +346,10 @@ class EvalConfig(DecodeSettings):
     @property
     def decoding(self) -> DecodeSettings:
         """The decoding settings alone (what the engine reads), for chain steps: the modes set
-        tree, ngram_branch and tree_paths per measured method."""
+        tree, ngram_branch, tree_paths and tree_nodes per measured method."""
         return DecodeSettings(**{f.name: getattr(self, f.name)
                                  for f in dataclasses.fields(DecodeSettings)
-                                 if f.name != "tree_paths"})
+                                 if f.name not in ("tree_paths", "tree_nodes")})
 
 
 LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")

@@ -48,6 +48,24 @@ class HeadCache:
         self.next_position = self.next_position + steps.sum(1)
         return head.finish(attended, residual)
 
+    def run_tree(self, head: Eagle3Head, embeds, hidden, depth, sees) -> torch.Tensor:
+        """Append m draft-tree slots: embeds, hidden [B, m, H], depth [B, m] (1: a child of the
+        pending token), sees [B, m, S] bool: which of the S tree slots appended since the last
+        crop (these m the last ones) each attends, its ancestors and itself; every committed
+        slot is seen. Positions are next_position + depth - 1, and next_position stays: the
+        tree's slots are dropped with crop(S, valid=False) -> pre-norm outputs [B, m, H]."""
+        m, tree_slots = depth.shape[1], sees.shape[2]
+        q, k, v, residual = head.project(embeds, hidden, self.next_position[:, None] + depth - 1)
+        self.keys = torch.cat([self.keys, k], dim=2)
+        self.values = torch.cat([self.values, v], dim=2)
+        self.mask = torch.cat([self.mask, torch.ones_like(depth, dtype=torch.bool)], dim=1)
+        committed = self.mask[:, None, :-tree_slots].expand(-1, m, -1)  # [B, m, L - S]
+        allowed = torch.cat([committed, sees], dim=2)  # [B, m, L]
+        attended = F.scaled_dot_product_attention(
+            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
+            attn_mask=allowed[:, None])
+        return head.finish(attended, residual)
+
     def crop(self, n: int, valid: bool = True) -> None:
         """Drop the last n slots of every row (valid: they counted as positions)."""
         if n <= 0:
@@ -107,6 +125,57 @@ class Eagle3Draft:
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.scores = torch.stack(scores, 1)  # [B, k, V]
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def propose_tree(self, k: int, width: int, generator=None):
+        """EAGLE-2's expansion: the root's `width` likeliest tokens, then at each depth up to k
+        the `width` best new nodes by cumulative log-probability expanded in one head forward
+        (tree attention), each into its `width` likeliest tokens. -> candidates (tokens,
+        parents, scores), each [B, M] with M = width + (k - 1) * width^2, in expansion order,
+        for decoding.tree.dynamic_tree (parents index M; -1: the root). Deterministic: every
+        candidate is verified as a fixed one, so sampling stays lossless."""
+        def children(prenorm):  # [B, n, H] -> log-probs, tokens [B, n, width]
+            logp = torch.log_softmax(self.head.full_vocab_logits(
+                self.head.logits(prenorm)).float(), dim=-1)
+            return logp.topk(width, dim=-1)
+
+        (batch, hidden_size), device = self.hidden.shape, self.hidden.device
+        committed = self.cache.mask.shape[1]
+        logp, tokens = children(self.hidden[:, None])  # [B, 1, w]
+        tokens, scores = tokens[:, 0], logp[:, 0]  # [B, M] so far
+        parents = torch.full((batch, width), -1, dtype=torch.long, device=device)
+        made_by = self.hidden[:, None].expand(-1, width, -1)  # [B, M, H]: the output behind each
+        frontier = torch.arange(width, device=device).expand(batch, -1)  # [B, w] candidate ids
+        slot = torch.full((batch, width), -1, dtype=torch.long, device=device)  # [B, M]
+        ancestors = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # [B, S, S]
+        for depth in range(2, k + 1):
+            # the frontier's tokens enter the head, each seeing its expanded ancestors and itself
+            s = ancestors.shape[1]
+            parent = parents.gather(1, frontier)  # [B, w]
+            parent_slot = slot.gather(1, parent.clamp(min=0))  # [B, w]
+            inherited = ancestors.gather(1, parent_slot.clamp(min=0)[..., None].expand(-1, -1, s))
+            sees = torch.cat([inherited & (parent >= 0)[..., None],
+                              torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)],
+                             dim=2)  # [B, w, S + w]
+            ancestors = torch.cat([torch.cat([ancestors, ancestors.new_zeros(batch, s, width)], 2),
+                                   sees], dim=1)  # [B, S + w, S + w]
+            slot = slot.scatter(1, frontier, s + torch.arange(width, device=device).expand(batch, -1))
+            prenorm = self.cache.run_tree(
+                self.head, self._embeds(tokens.gather(1, frontier)),
+                made_by.gather(1, frontier[..., None].expand(-1, -1, hidden_size)),
+                torch.full((batch, width), depth - 1, dtype=torch.long, device=device), sees)
+            logp, child_tokens = children(prenorm)  # [B, w, w]
+            child_scores = (scores.gather(1, frontier)[..., None] + logp).flatten(1)  # [B, w^2]
+            base = tokens.shape[1]
+            tokens = torch.cat([tokens, child_tokens.flatten(1)], dim=1)
+            parents = torch.cat([parents, frontier.repeat_interleave(width, dim=1)], dim=1)
+            scores = torch.cat([scores, child_scores], dim=1)
+            made_by = torch.cat([made_by, prenorm.repeat_interleave(width, dim=1)], dim=1)
+            slot = torch.cat([slot, slot.new_full((batch, width * width), -1)], dim=1)
+            frontier = base + child_scores.topk(width, dim=-1).indices  # [B, w]
+        self.cache.crop(self.cache.mask.shape[1] - committed, valid=False)
+        self.chain = 0  # nothing of the tree stays in the cache
+        self.tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # accept's shape
+        return tokens, parents, scores
 
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """Replace the chain's slots by the verified tokens' slots, made from the target's

@@ -98,11 +98,11 @@ def pit_p_value(target, prompts, outputs, settings: DecodeSettings, seed: int = 
 
 
 def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: int = 0,
-            tree: bool = False, ngram_branch: bool = False):
+            tree: bool = False, ngram_branch: bool = False, tree_nodes: int = 0):
     prompts, ids, mask = _batch()
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=temperature,
                               top_p=0.9, top_k=6, tree=tree, tree_width=2,
-                              ngram_branch=ngram_branch)
+                              ngram_branch=ngram_branch, tree_nodes=tree_nodes)
     draft = _draft(kind, target)
     torch.manual_seed(global_seed)  # the engine's generator alone must decide the samples
     out = generate(target, ids, mask, settings, {VOCAB + 1}, draft,
@@ -137,14 +137,16 @@ def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
     assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
 
 
-TREES = [("independent", False), ("medusa", False), ("dflash", False), ("eagle3", True)]
+TREES = [("independent", False, 0), ("medusa", False, 0), ("dflash", False, 0),
+         ("eagle3", True, 8)]
 
 
-@pytest.mark.parametrize("kind,ngram_branch", TREES)
-def test_trees_sample_the_targets_distribution(target, kind, ngram_branch):
-    """Tree steps (the draft's chain plus 2 alternatives per position; with ngram_branch also
-    the n-gram match) keep the target's distribution."""
-    prompts, out, settings = _sample(target, kind, 1.0, tree=True, ngram_branch=ngram_branch)
+@pytest.mark.parametrize("kind,ngram_branch,tree_nodes", TREES)
+def test_trees_sample_the_targets_distribution(target, kind, ngram_branch, tree_nodes):
+    """Tree steps (the draft's chain plus 2 alternatives per position, or for EAGLE-3 a dynamic
+    tree of 8 nodes; with ngram_branch also the n-gram match) keep the target's distribution."""
+    prompts, out, settings = _sample(target, kind, 1.0, tree=True, ngram_branch=ngram_branch,
+                                     tree_nodes=tree_nodes)
     assert sum(s.accepted_alternative for s in out.stats) > 0  # the alternatives were used
     if ngram_branch:
         assert sum(s.accepted_ngram for s in out.stats) > 0

@@ -15,6 +15,7 @@ from decoding.tree import (
     ancestor_mask,
     build_tree,
     default_paths,
+    dynamic_tree,
     verify_tree,
 )
 from tests.decoding.test_engine import EOS, _drafts, _prompts, _reference, _tiny
@@ -112,6 +113,23 @@ def test_the_default_shape_is_the_chain_with_its_alternatives():
     assert {p: n[1] for p, n in _nodes_by_path(default).items()} == {
         p: n[1] for p, n in _nodes_by_path(explicit).items()}
     assert len(default_paths(3, 2)) == 3 + 3 * 2
+
+
+def test_a_dynamic_tree_keeps_the_best_paths_by_cumulative_score():
+    inf = float("-inf")
+    # candidates: root -> 5 (-0.1), 6 (-1.0); 5 -> 7 (-0.3), 8 (-2.0); 6 -> 9 (-1.2); 7 -> 10
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    parents = torch.tensor([[-1, -1, 0, 0, 1, 2, 2]])
+    scores = torch.tensor([[-0.1, -1.0, -0.3, -2.0, -1.2, -0.5, inf]])
+    tree = dynamic_tree(torch.tensor([4]), tokens, parents, scores, size=4)
+    nodes = _nodes_by_path(tree)
+    assert set(nodes) == {(5,), (6,), (5, 7), (5, 7, 10)}  # 9 (-1.2) and 8 (-2.0) left out
+    assert [nodes[p][1] for p in [(5,), (5, 7), (5, 7, 10), (6,)]] == [
+        DRAFT, DRAFT, DRAFT, ALTERNATIVE]  # the draft's greedy path, then the rest
+    assert (tree.proposal[0, 1:] == -1).all()  # fixed candidates: lossless at any temperature
+    hybrid = dynamic_tree(torch.tensor([4]), tokens, parents, scores, size=4,
+                          ngrams=[[5, 12, 13, 14]], max_depth=3)
+    assert set(_nodes_by_path(hybrid)) - set(nodes) == {(5, 12), (5, 12, 13)}
 
 
 def _one_hot_targets(tree: Tree, argmax: dict[int, int], vocab: int = 32):
@@ -244,6 +262,10 @@ def test_bad_static_trees_are_refused(paths, message):
         DecodeSettings(k=4, tree=True, tree_width=2, tree_paths=paths)
     with pytest.raises(ConfigError, match="no step verifies a tree"):
         DecodeSettings(k=4, tree_paths=[[0]])
+    with pytest.raises(ConfigError, match="contradict"):
+        DecodeSettings(k=4, tree=True, tree_nodes=8, tree_paths=[[0]])
+    with pytest.raises(ConfigError, match="tree_nodes=300 must be in"):
+        DecodeSettings(k=4, tree=True, tree_nodes=300)
 
 
 def test_a_tree_accepts_more_than_its_chain(target, drafts):

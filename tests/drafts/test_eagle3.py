@@ -248,3 +248,79 @@ def test_sampling_with_a_head_keeps_the_target_distribution(target):
     counts = torch.bincount((u * 20).long().clamp(max=19), minlength=20).double()
     chi2 = ((counts - rows / 20) ** 2 / (rows / 20)).sum()
     assert float(torch.special.gammaincc(torch.tensor(9.5, dtype=torch.float64), chi2 / 2)) > 1e-3
+
+
+def _started_draft(target, prompt_lengths):
+    """A head draft after start() on left-padded prompts, as the engine leaves it."""
+    _, ids, mask = _prompts(prompt_lengths)
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    with torch.no_grad():
+        out = target(ids, attention_mask=mask, output_hidden_states=True)
+        draft.start(ids, mask, out.logits[:, -1].argmax(-1), out.hidden_states)
+    return draft
+
+
+@torch.no_grad()
+def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target):
+    """Each candidate's cumulative log-probability equals the sum of the head's log-probs
+    along its path drafted token by token (the tree attention, positions and hidden-state
+    feeding of the expansion are the chain's); the head's cache is as before afterwards."""
+    import copy
+
+    draft = _started_draft(target, [6, 10])
+    before = (draft.cache.keys.clone(), draft.cache.mask.clone(),
+              draft.cache.next_position.clone())
+    chain_copy = copy.deepcopy(draft)
+    tokens, parents, scores = draft.propose_tree(3, 3)
+    assert tokens.shape == (2, 3 + 2 * 9)
+    assert torch.equal(draft.cache.keys, before[0]) and torch.equal(draft.cache.mask, before[1])
+    assert torch.equal(draft.cache.next_position, before[2])
+    head = chain_copy.head
+    for row in range(2):
+        for m in range(tokens.shape[1]):
+            path, at = [], m
+            while at >= 0:
+                path.append(int(tokens[row, at]))
+                at = int(parents[row, at])
+            path.reverse()
+            sequential = copy.deepcopy(chain_copy)
+            hidden, total = sequential.hidden[row : row + 1], 0.0
+            sequential.cache.keys = sequential.cache.keys[row : row + 1]
+            sequential.cache.values = sequential.cache.values[row : row + 1]
+            sequential.cache.mask = sequential.cache.mask[row : row + 1]
+            sequential.cache.next_position = sequential.cache.next_position[row : row + 1]
+            for i, token in enumerate(path):
+                logp = torch.log_softmax(head.full_vocab_logits(head.logits(hidden)).float(), -1)
+                total += float(logp[0, token])
+                if i < len(path) - 1:
+                    hidden = sequential.cache.run(head, sequential._embeds(torch.tensor([[token]])),
+                                                  hidden[:, None], torch.ones(1, 1, dtype=torch.bool))[:, 0]
+            assert abs(total - float(scores[row, m])) < 1e-4, (row, m, path)
+
+
+@pytest.mark.parametrize("nodes,hybrid", [(8, False), (16, True)])
+def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, nodes, hybrid):
+    prompts, ids, mask = _prompts([5, 11, 8])
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=3), set())
+    settings = DecodeSettings(max_new_tokens=24, k=3, tree=True, tree_width=3, tree_nodes=nodes,
+                              ngram_branch=hybrid)
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    spec = generate(target, ids, mask, settings, set(), draft)
+    assert spec.tokens == plain.tokens
+    assert sum(s.accepted for s in spec.stats) > 0  # the tree's tokens did get through
+    assert all(s.drafted <= s.steps * (nodes + 3) for s in spec.stats)
+    chain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=3), set(),
+                     Eagle3Draft(_head(target), target.get_input_embeddings()))
+    tau = lambda out: sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
+    assert tau(spec) >= tau(chain)
+    # after the tree steps the head's state is a fresh start's on the whole history (rows
+    # that finished early went on drafting past their output: checked are those that did not)
+    last = max(s.steps for s in spec.stats)
+    for row in (r for r in range(3) if spec.stats[r].steps == last):
+        history = prompts[row] + spec.tokens[row]
+        context = torch.tensor([history[:-1]])
+        fresh = Eagle3Draft(draft.head, target.get_input_embeddings())
+        with torch.no_grad():
+            hidden = target(context, output_hidden_states=True).hidden_states
+            fresh.start(context, torch.ones_like(context), torch.tensor([history[-1]]), hidden)
+        assert torch.allclose(fresh.hidden[0], draft.hidden[row], atol=1e-5)
