@@ -409,6 +409,14 @@ class TrainConfig:
     """EAGLE-3: 'online' runs the target on every batch; 'offline' writes its features (aux
     layers and last hidden state, feature_dtype) once to <run>/features and reads them back."""
     feature_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    feature_noise: float = 0.0
+    """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
+    features in training (EAGLE's augmentation: serving feeds the head features the target
+    computed on the draft's own tokens); seeded per micro-batch. 0: off."""
+    head_init: Literal["random", "target"] = "random"
+    """EAGLE-3: 'random' (Llama init, final norm at ones) or 'target' (the final norm, and the
+    layer from the target's decoder layer that reads the highest aux feature: see
+    drafts/eagle3/head.py). The lm_head rows are the target's either way."""
     loss: str = "tvd"
     """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
     '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""
@@ -499,6 +507,15 @@ class TrainConfig:
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be a token id "
                               "(>= 0) or null.")
+        if self.feature_noise < 0:
+            raise ConfigError(f"train.feature_noise={self.feature_noise} must be >= 0 (0: off).")
+        if self.feature_noise and not self.draft.startswith(("eagle3", "dflash")):
+            raise ConfigError(f"train.feature_noise perturbs the target's aux features, which "
+                              f"train.draft={self.draft!r} does not read: use it with 'eagle3' "
+                              "or 'dflash', or set it to 0.")
+        if self.head_init != "random" and self.draft != "eagle3":
+            raise ConfigError(f"train.head_init={self.head_init!r} initialises an EAGLE-3 head: "
+                              f"train.draft={self.draft!r} is not one; drop it.")
         if self.eval_conversations is not None and self.eval_conversations < 1:
             raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
         # what the draft kind itself asks of these settings is checked by its module

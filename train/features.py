@@ -36,6 +36,15 @@ def target_hidden(target, batch: Batch, aux_layers: list[int] | None = None) -> 
                         target.get_input_embeddings()(batch.input_ids))
 
 
+def noisy_features(hidden: TargetHidden, width: float, seed: int, micro_batch: int) -> TargetHidden:
+    """EAGLE's feature augmentation: aux [B, T, F] + U(-width/2, width/2), drawn from a
+    generator seeded by (seed, micro_batch) so a resumed run adds exactly the same noise."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + micro_batch + 7)
+    noise = (torch.rand(hidden.aux.shape, generator=generator) - 0.5) * width
+    return TargetHidden(hidden.last, hidden.aux + noise.to(hidden.aux.device, hidden.aux.dtype),
+                        hidden.embeds)
+
+
 def _identity(fingerprint: str, aux_layers: list[int], dtype: str,
               examples: list[Example]) -> dict:
     import hashlib

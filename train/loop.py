@@ -39,7 +39,7 @@ from train.data import (
     sample_on_policy,
 )
 from train.divergences import divergence
-from train.features import FeatureCache, feature_cache, target_hidden
+from train.features import FeatureCache, feature_cache, noisy_features, target_hidden
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
 # trajectory (data, losses, schedule), only what gets logged or kept.
@@ -480,6 +480,9 @@ def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batc
         with accelerator.accumulate(model):
             pred, slots = batch.pred_mask, _unwrap(model).slots(batch.pred_mask)
             hidden, p_logits = signal(batch)
+            if tcfg.feature_noise:  # seeded by the micro-batch: a resumed run adds the same
+                p = (state.optimizer_step * G + micro_step) * world + dist.rank
+                hidden = noisy_features(hidden, tcfg.feature_noise, cfg.run.seed, p)
             draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
             loss = slot_loss(tcfg, model, slots, draft_logits, p_logits, batch.labels)
             if dist.sum(float(not torch.isfinite(loss))) > 0:

@@ -84,7 +84,7 @@ class Eagle3:
         covered = float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
         log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
             f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
-        head = Eagle3Head.from_target(target, aux_layers, draft_ids).float()
+        head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init).float()
         return head.requires_grad_(True).train()
 
     def freeze(self, draft: Eagle3Head, cfg: TrainConfig) -> None:

@@ -158,6 +158,27 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+@torch.no_grad()
+def _copy_target_layer(head: Eagle3Head, target, layer_index: int) -> None:
+    """The 'target' init of Eagle3Head.from_target (see there)."""
+    hidden = head.config.hidden_size
+    decoder = target.get_decoder()
+    if layer_index >= len(decoder.layers):
+        raise ConfigError(f"EAGLE-3 head init 'target' copies the decoder layer that reads aux "
+                          f"layer {layer_index}, but the target has {len(decoder.layers)} layers.")
+    source, layer = decoder.layers[layer_index], head.midlayer
+    head.norm.weight.copy_(decoder.norm.weight.float())
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * hidden:].copy_(torch.eye(hidden))  # the highest aux feature
+    layer.hidden_norm.weight.copy_(source.input_layernorm.weight.float())
+    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight.float())
+    layer.mlp.load_state_dict({k: v.float() for k, v in source.mlp.state_dict().items()})
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(layer.self_attn, name).weight[:, hidden:].copy_(
+            getattr(source.self_attn, name).weight.float())
+    layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight.float())
+
+
 class Eagle3Head(nn.Module):
     """fc + one decoder layer + norm + lm_head over Vd draft tokens, with d2t/t2d buffers."""
 
@@ -179,9 +200,14 @@ class Eagle3Head(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config)
 
     @classmethod
-    def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor) -> Eagle3Head:
-        """A fresh head for this target: random layer (Llama init), lm_head = the target's head
-        rows of the draft vocabulary (so the head starts in the target's output space)."""
+    def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor,
+                    init: str = "random") -> Eagle3Head:
+        """A fresh head for this target: lm_head = the target's head rows of the draft
+        vocabulary (so the head starts in the target's output space). init 'random': the layer
+        in Llama init, the final norm at ones; 'target': the final norm the target's, fc
+        passing the highest aux feature through, and the layer the target's decoder layer that
+        reads that feature (its norms, MLP, o_proj, and q/k/v on the feature half; the
+        embedding half of q/k/v stays small and random)."""
         config = head_config(target.config, len(draft_ids), aux_layers)
         if target.get_output_embeddings().weight.shape[0] != config.vocab_size:
             config.vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -194,6 +220,10 @@ class Eagle3Head(nn.Module):
                 if isinstance(module, nn.Linear):
                     module.weight.normal_(0.0, std)
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
+            if init == "target":
+                _copy_target_layer(head, target, aux_layers[-1])
+            elif init != "random":
+                raise ConfigError(f"EAGLE-3 head init {init!r}: use 'random' or 'target'.")
         return head.to(target.get_output_embeddings().weight.device)
 
     @property

@@ -324,3 +324,38 @@ def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, no
             hidden = target(context, output_hidden_states=True).hidden_states
             fresh.start(context, torch.ones_like(context), torch.tensor([history[-1]]), hidden)
         assert torch.allclose(fresh.hidden[0], draft.hidden[row], atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_target_init_computes_the_targets_layer_on_its_feature(target):
+    """head_init 'target' with the embedding half of q/k/v zeroed: step 0 of the head over a
+    sequence is the target's decoder layer 2 on its input (the highest aux feature), exactly."""
+    from drafts.kind import aux_features
+
+    torch.manual_seed(0)
+    head = Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(head.midlayer.self_attn, name).weight[:, :64] = 0
+    ids = torch.randint(3, VOCAB, (2, 9))
+    hs = target(ids, output_hidden_states=True).hidden_states
+    out = unroll(head, target.get_input_embeddings()(ids), aux_features(hs, [0, 1, 2]),
+                 torch.ones_like(ids), steps=1)[0]
+    torch.testing.assert_close(out, hs[3], atol=1e-5, rtol=1e-5)  # layer 2's output
+    assert torch.equal(head.norm.weight, target.model.norm.weight)
+    with pytest.raises(ConfigError, match="'random' or 'target'"):
+        Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="layer")
+
+
+def test_feature_noise_is_bounded_seeded_per_micro_batch():
+    from drafts.kind import TargetHidden
+    from train.features import noisy_features
+
+    hidden = TargetHidden(torch.zeros(2, 5, 4), torch.zeros(2, 5, 12), torch.zeros(2, 5, 4))
+    a, b = noisy_features(hidden, 0.2, 0, 3), noisy_features(hidden, 0.2, 0, 3)
+    assert torch.equal(a.aux, b.aux) and a.aux.abs().max() <= 0.1 and a.aux.abs().max() > 0.05
+    assert not torch.equal(a.aux, noisy_features(hidden, 0.2, 0, 4).aux)
+    assert torch.equal(a.last, hidden.last)  # the target's logits stay exact
+    with pytest.raises(ConfigError, match="does not read"):
+        from recipe import TrainConfig
+
+        TrainConfig(draft="medusa:3", feature_noise=0.2)
