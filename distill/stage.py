@@ -28,6 +28,7 @@ from distill.shards import (
     write_manifest,
 )
 from recipe import Config, ConfigError
+from recipe.disk import check_free_space
 
 
 class OutputMismatchError(ConfigError):
@@ -88,6 +89,12 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         raise ConfigError(f"none of the {len(conversations)} selected conversations fits "
                           f"(skipped: {dict(skipped)}); raise data.max_prompt_tokens or set "
                           "data.overlong=truncate.")
+    if accelerator.is_main_process:  # before anything is written: the disk holds it all
+        written = {row["id"] for row in read_columns(data_dir, ["id"])}
+        check_free_space(out, _bytes_needed(jobs, written, cfg), "stage 1 "
+                         f"({sum(j.conversation.id not in written for j in jobs)} conversations "
+                         "to generate)", "free disk space or point run.output_dir at a larger "
+                         "disk (or lower data.max_prompts or generation.top_k_logprobs).")
     if accelerator.is_main_process:  # only now: a run that failed before this left no claim
         write_manifest(out, {"status": "in_progress", "identity": identity})
         cfg.save(out / "config.yaml")
@@ -150,6 +157,22 @@ def _identity(cfg: Config, target, tokenizer) -> dict:
                        "fingerprint": target.fingerprint, "dtype": cfg.model.dtype,
                        "chat_template_sha256": template},
             "seed": cfg.run.seed, "data": data, "generation": generation}
+
+
+BYTES_PER_TOKEN = 8
+"""Stage-1 Parquet per conversation token, an upper bound (the 192 conversations of the
+embedded default take 5.3: ids, loss mask and the messages' text, compressed)."""
+
+
+def _bytes_needed(jobs: list[Job], done: set[str], cfg: Config) -> int:
+    """An upper bound on what the pending conversations write: their first prompt, then each
+    turn's reply and the next user turn at most max_new_tokens each, plus the top-k
+    log-probabilities (k ids and k values, 4 bytes each) of every reply token."""
+    gen = cfg.generation
+    reply_tokens = cfg.data.max_turns * gen.max_new_tokens
+    return sum((j.first_prompt_len + 2 * reply_tokens) * BYTES_PER_TOKEN
+               + reply_tokens * 8 * gen.top_k_logprobs
+               for j in jobs if j.conversation.id not in done)
 
 
 def _prompt_limit(cfg: Config, target) -> int:

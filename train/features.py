@@ -18,6 +18,7 @@ import torch
 
 from drafts.kind import TargetHidden, aux_features
 from recipe import Config, ConfigError
+from recipe.disk import check_free_space
 from train.data import Batch, Example, collate
 
 SHARD_SIZE = 16
@@ -121,16 +122,25 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
     hidden = target.config.hidden_size
     tokens = sum(min(len(e.input_ids), tcfg.max_seq_len) for e in examples)
     missing = [i for i in range(_shard_count(examples)) if not _shard_path(folder, i).is_file()]
+    per_token = 4 * hidden * dtype.itemsize  # three aux layers and the last hidden state
+    if rank == 0 and missing:
+        shards = set(missing)
+        to_write = sum(min(len(e.input_ids), tcfg.max_seq_len) for i, e in enumerate(examples)
+                       if i // SHARD_SIZE in shards)
+        check_free_space(folder, to_write * per_token, "writing the offline features "
+                         f"({to_write:,} tokens x {per_token:,} bytes)",
+                         "free disk space, point run.output_dir at a larger disk, or set "
+                         "train.target_features=online (no dump: a target forward per batch).")
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         if not manifest_path.is_file():
             manifest_path.write_text(json.dumps(
                 {**identity, "max_seq_len": tcfg.max_seq_len, "conversations": len(examples),
                  "tokens": tokens, "shard_size": SHARD_SIZE}, indent=2) + "\n")
-        size = tokens * 4 * hidden * dtype.itemsize
         log(f"[train] offline features: {len(examples)} conversations, {tokens:,} tokens x "
-            f"{4 * hidden} values ({tcfg.feature_dtype}) = {size / 2**30:.2f} GiB in {folder}; "
-            f"{len(missing)} of {_shard_count(examples)} shards to write")
+            f"{4 * hidden} values ({tcfg.feature_dtype}, {per_token:,} bytes per token) = "
+            f"{tokens * per_token / 2**30:.2f} GiB in {folder}; {len(missing)} of "
+            f"{_shard_count(examples)} shards to write")
     barrier()
     for index in missing:
         if index % world != rank:

@@ -113,6 +113,26 @@ def test_output_from_other_settings_is_refused_and_left_intact(tiny_target, tmp_
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
 
+def test_a_run_that_would_not_fit_on_the_disk_is_refused_before_writing(tiny_target, tmp_path,
+                                                                        monkeypatch):
+    import shutil
+
+    from accelerate import Accelerator
+
+    from distill import run_distill
+    from recipe import ConfigError, load_config
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
+    args = _args(tiny_target, prompts, tmp_path / "out")
+    cfg = load_config(args[1], [a for a in args[4:]])
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr("recipe.disk.shutil.disk_usage", lambda path: usage._replace(free=100))
+    with pytest.raises(ConfigError, match=r"stage 1 \(3 conversations to generate\) needs about "
+                                          r".* GiB .* Nothing was written"):
+        run_distill(cfg, Accelerator(cpu=True))
+    assert not (tmp_path / "out").exists()
+
+
 def test_shards_without_a_manifest_are_refused(tiny_target, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
     (tmp_path / "out" / "data").mkdir(parents=True)

@@ -281,6 +281,18 @@ def test_cached_features_for_other_layers_are_refused(tiny_run):
                         "train.eagle_aux_layers=[0,0,1]"))
 
 
+def test_features_that_would_not_fit_on_the_disk_are_refused_before_writing(tiny_run,
+                                                                            monkeypatch):
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr("recipe.disk.shutil.disk_usage",
+                        lambda path: usage._replace(free=1000))
+    cfg = tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2")
+    with pytest.raises(ConfigError, match=r"offline features .* needs about .* GiB .* only "
+                                          r"0.00 GiB is free .*target_features=online"):
+        _train(cfg)
+    assert not (cfg.run.output_path / "features").exists()  # nothing written
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ("train.eagle_aux_layers=[0,1,2]", r"must lie in \[0, 1\]"),
     ("train.draft_vocab_size=49153", "larger than the target's vocabulary"),
