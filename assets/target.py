@@ -179,6 +179,14 @@ def end_of_turn_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); without, torch and vLLM
+    emulate it, several times slower than fp32."""
+    cpu = getattr(torch, "cpu", None)
+    return any(getattr(cpu, name, lambda: False)()
+               for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def vllm_cpu_environment(cache: str) -> dict:
     """What vLLM needs to run the target on a machine without GPU (../shared/reference/
     vllm-cpu.md): every core computing, a bounded KV cache, and its compile caches under ours."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from assets.target import end_of_turn_ids, load_target, vllm_cpu_environment
+from assets.target import cpu_has_native_bf16, end_of_turn_ids, load_target, vllm_cpu_environment
 from decoding.engine import left_pad
 from decoding.speculative import sampling_probs
 from recipe import ConfigError, GenerationConfig, cache_root
@@ -170,6 +170,11 @@ def make_generator(target, tokenizer, cfg, device):
     """generation.backend -> the generator stage 1 runs (the transformers model is loaded for
     the 'hf' backend, and for 'vllm' only when top-k log-probs are stored)."""
     gen = cfg.generation
+    if device.type == "cpu" and cfg.model.dtype == "bfloat16" and not cpu_has_native_bf16():
+        print("[distill] warning: model.dtype=bfloat16 on a CPU without native bf16 (no "
+              "AVX512-BF16/AMX): every matmul is emulated. On a 2-core AVX2 EPYC vLLM wrote 4x "
+              "fewer tokens/s in bf16 than in float32 (eval/bench_distill_backends.py): set "
+              "model.dtype=float32 for stage 1 on this machine.", flush=True)
     if gen.backend == "hf":
         return HFGenerator(load_target(target, cfg.model.dtype, device), tokenizer, gen)
     from transformers import AutoConfig

@@ -22,7 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 
-from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+from assets.target import (
+    cpu_has_native_bf16,
+    end_of_turn_ids,
+    load_target,
+    load_tokenizer,
+    resolve_target,
+)
 from distill.shards import identity_differences
 from drafts import TargetHidden, check_train_config
 from recipe import Config, ConfigError, TrainConfig
@@ -165,12 +171,12 @@ def accelerator_kwargs(cfg: Config) -> dict:
     gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
     precision = cfg.train.mixed_precision
     if precision == "auto":
-        native = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else _cpu_has_bf16()
+        native = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_native_bf16()
         precision = "bf16" if native else "no"
     if precision == "fp16" and not gpu:
         raise ConfigError("train.mixed_precision=fp16 needs a GPU; on CPU use 'bf16' (if the CPU "
                           "has AVX512-BF16 or AMX) or 'no'.")
-    if precision == "bf16" and not gpu and not _cpu_has_bf16():
+    if precision == "bf16" and not gpu and not cpu_has_native_bf16():
         raise ConfigError("train.mixed_precision=bf16: this CPU lacks AVX512-BF16/AMX, so bf16 "
                           "would be emulated and slow: set train.mixed_precision=no.")
     kwargs = {"mixed_precision": precision,
@@ -184,12 +190,6 @@ def accelerator_kwargs(cfg: Config) -> dict:
         kwargs.update(log_with=cfg.tracking.tracker,
                       project_dir=str(cfg.run.output_path / "train"))
     return kwargs
-
-
-def _cpu_has_bf16() -> bool:
-    cpu = getattr(torch, "cpu", None)
-    return any(getattr(cpu, name, lambda: False)()
-               for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:

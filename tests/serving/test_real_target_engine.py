@@ -48,8 +48,13 @@ def _eagle3(target):
     return Eagle3Draft(head.eval(), target.get_input_embeddings())
 
 
-@pytest.mark.parametrize("draft_kind", ["layer-truncated", "prompt lookup", "medusa", "eagle3"])
-def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_kind):
+TREE = {"tree": True, "tree_nodes": 12, "ngram_branch": True}  # dynamic EAGLE-2 + n-gram
+
+
+@pytest.mark.parametrize("draft_kind,tree", [
+    ("layer-truncated", False), ("prompt lookup", False), ("medusa", False), ("eagle3", False),
+    ("eagle3", True)])
+def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_kind, tree):
     target, prompts, eos, reference = setup
     draft = {"layer-truncated": lambda: ModelDraft(layer_truncated(target, 4)),
              "prompt lookup": lambda: PromptLookupDraft(target.config.vocab_size),
@@ -58,11 +63,11 @@ def test_greedy_speculation_equals_target_on_10_mtbench_questions(setup, draft_k
     outputs, accepted = [], 0
     for b in range(0, len(prompts), 5):  # batches of 5, left-padded
         ids, mask = left_pad(prompts[b : b + 5], 2, torch.device("cpu"))
-        gen = generate(target, ids, mask, DecodeSettings(max_new_tokens=NEW_TOKENS, k=4), eos,
-                       draft)
+        settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=4, **(TREE if tree else {}))
+        gen = generate(target, ids, mask, settings, eos, draft)
         outputs += gen.tokens
         accepted += sum(s.accepted for s in gen.stats)
     for row, (got, want) in enumerate(zip(outputs, reference)):
         assert got == want, f"MT-bench question {row}"
-    if draft_kind in ("layer-truncated", "prompt lookup"):  # drafts that are right at times
+    if draft_kind in ("layer-truncated", "prompt lookup") or tree:  # right at times
         assert accepted > 0  # the equality covers accepted draft tokens, not only rejections
