@@ -191,7 +191,10 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         start = time.perf_counter()
         ngrams = [ngram_continuation(h, k) for h in histories] if settings.ngram_branch else None
         if dynamic:
-            tree = dynamic_tree(pending, *draft.propose_tree(k, settings.tree_width, generator),
+            tokens, parents, scores = draft.propose_tree(k, settings.tree_width, generator)
+            # NaN candidates are dropped from the tree (counted as fallbacks), and so are theirs
+            dropped = torch.isnan(scores).sum(1).tolist()  # [B]
+            tree = dynamic_tree(pending, tokens, parents, scores.nan_to_num(nan=float("-inf")),
                                 settings.tree_nodes, ngrams, k)
             draft_probs = None
         elif draft is not None:
@@ -244,7 +247,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 sources = result.sources[row, :n]
                 s.accepted_alternative += int((sources == ALTERNATIVE).sum())
                 s.accepted_ngram += int((sources == NGRAM).sum())
-                s.tree_fallbacks += int(result.fallbacks[row])
+                s.tree_fallbacks += int(result.fallbacks[row]) + (dropped[row] if dynamic else 0)
             for token in path[row, :n].tolist() + [nxt]:
                 outputs[row].append(token)
                 histories[row].append(token)

@@ -359,3 +359,16 @@ def test_feature_noise_is_bounded_seeded_per_micro_batch():
         from recipe import TrainConfig
 
         TrainConfig(draft="medusa:3", feature_noise=0.2)
+
+
+def test_a_dynamic_tree_whose_head_turns_nan_falls_back_and_counts_it(target):
+    _, ids, mask = _prompts([5, 11])
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=10, k=3), set())
+    head = _head(target)
+    with torch.no_grad():
+        head.lm_head.weight[0, 0] = float("nan")
+    settings = DecodeSettings(max_new_tokens=10, k=3, tree=True, tree_nodes=8)
+    spec = generate(target, ids, mask, settings, set(),
+                    Eagle3Draft(head, target.get_input_embeddings()))
+    assert spec.tokens == plain.tokens
+    assert all(s.tree_fallbacks > 0 for s in spec.stats)
