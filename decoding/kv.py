@@ -93,6 +93,11 @@ class CachedLM:
         self.hidden_states = out.hidden_states
         return out.logits
 
+    def drop_tree(self, size: int) -> None:
+        """After extend_tree: remove the tree's `size` slots (a draft's expansion, kept nowhere)."""
+        self.cache.crop(self.mask.shape[1] - size)
+        self.mask = self.mask[:, :-size]
+
     def keep_nodes(self, keep: torch.Tensor) -> None:
         """After extend_tree: keep [B, N] bool, the nodes of each row's accepted path (its root
         included), which must be in depth order. They move to the front of the tree's slots and

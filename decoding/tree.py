@@ -91,6 +91,31 @@ def build_tree(pending: torch.Tensor, chain: torch.Tensor, alternatives: torch.T
     return _stack(tries, chain.device)
 
 
+def grow_tree(root_logp: torch.Tensor, k: int, width: int, expand):
+    """EAGLE-2's expansion, for any draft: the root's `width` likeliest tokens, then at each
+    depth up to k the `width` best new nodes by cumulative log-probability are expanded (one
+    draft forward over them) into their `width` likeliest tokens.
+
+    root_logp [B, V] the draft's log-probabilities after the pending token; expand(frontier
+    [B, w], tokens [B, M], parents [B, M]) -> [B, w, V] the log-probabilities after each
+    frontier candidate (the draft attends to its ancestors). -> candidates (tokens, parents,
+    scores) [B, M], M = width + (k - 1) * width^2, in expansion order, for dynamic_tree
+    (parents index M, -1: the root; scores the cumulative log-probabilities)."""
+    batch = root_logp.shape[0]
+    scores, tokens = root_logp.float().topk(width, dim=-1)  # [B, w]
+    parents = torch.full_like(tokens, -1)
+    frontier = torch.arange(width, device=tokens.device).expand(batch, -1)  # [B, w]
+    for _ in range(2, k + 1):
+        logp, children = expand(frontier, tokens, parents).float().topk(width, dim=-1)  # [B,w,w]
+        child_scores = (scores.gather(1, frontier)[..., None] + logp).flatten(1)  # [B, w^2]
+        base = tokens.shape[1]
+        tokens = torch.cat([tokens, children.flatten(1)], dim=1)
+        parents = torch.cat([parents, frontier.repeat_interleave(width, dim=1)], dim=1)
+        scores = torch.cat([scores, child_scores], dim=1)
+        frontier = base + child_scores.topk(width, dim=-1).indices  # [B, w]
+    return tokens, parents, scores
+
+
 def dynamic_tree(pending: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                  scores: torch.Tensor, size: int, ngrams: list[list[int]] | None = None,
                  max_depth: int | None = None) -> Tree:

@@ -16,6 +16,7 @@ from torch import nn
 
 from decoding.kv import CachedLM
 from decoding.speculative import sampling_probs
+from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
 from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
 from recipe import ConfigError, TrainConfig
@@ -175,13 +176,41 @@ class ModelDraft:
                                                                          dtype=torch.bool))[:, -1]
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.scores = torch.stack(scores, 1)  # [B, k, V]
+        self.fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+
+    def propose_tree(self, k, width, generator=None):
+        """EAGLE-2's expansion (decoding.tree.grow_tree): each expansion is one forward over
+        every node expanded so far and the frontier, with the tree mask (each sees the cache and
+        its ancestors), whose slots are dropped again; the pending tokens stay in the cache.
+        Deterministic: every candidate is verified as a fixed one, so sampling stays lossless."""
+        root = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
+        batch, device = root.shape[0], root.device
+        self.pending = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        self.pending_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        expanded = [torch.zeros(batch, 0, dtype=torch.long, device=device)]  # candidate ids
+
+        def expand(frontier, tokens, parents):
+            nodes = torch.cat([expanded[0], frontier], dim=1)  # [B, N] candidate ids
+            is_parent = nodes[:, None, :] == parents.gather(1, nodes)[:, :, None]  # [B, N, N]
+            local = torch.where(is_parent.any(-1), is_parent.long().argmax(-1), -1)  # [B, N]
+            seen = ancestor_mask(local)  # [B, N, N]
+            depth = seen.sum(-1) - 1  # 0: a child of the pending token, at next_position
+            logits = self.lm.extend_tree(tokens.gather(1, nodes), depth, seen,
+                                         torch.ones_like(nodes, dtype=torch.bool))
+            self.lm.drop_tree(nodes.shape[1])
+            expanded[0] = nodes
+            return torch.log_softmax(logits[:, -frontier.shape[1]:].float(), dim=-1)
+
+        candidates = grow_tree(torch.log_softmax(root.float(), dim=-1), k, width, expand)
+        self.tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # accept's shape
+        self.fed = 0  # nothing of the tree stays in the cache
+        return candidates
 
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """Keep the cached slots of the draft's own tokens that were accepted; feed the rest of
         the accepted tokens (a tree's alternative or n-gram branch) and next_token next step."""
-        k = self.tokens.shape[1]
-        fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
+        k, fed = self.tokens.shape[1], self.fed
         accepted = self.tokens if path is None else path  # [B, k]
         index = torch.arange(k + 1, device=next_token.device)[None]  # [1, k+1]
         agree = (accepted == self.tokens) & (index[:, :k] < num_accepted[:, None])

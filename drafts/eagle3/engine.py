@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoding.speculative import sampling_probs
+from decoding.tree import grow_tree
 from drafts.eagle3.head import Eagle3Head, repeat_kv
 from drafts.kind import aux_features
 
@@ -127,55 +128,52 @@ class Eagle3Draft:
         return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
 
     def propose_tree(self, k: int, width: int, generator=None):
-        """EAGLE-2's expansion: the root's `width` likeliest tokens, then at each depth up to k
-        the `width` best new nodes by cumulative log-probability expanded in one head forward
-        (tree attention), each into its `width` likeliest tokens. -> candidates (tokens,
-        parents, scores), each [B, M] with M = width + (k - 1) * width^2, in expansion order,
-        for decoding.tree.dynamic_tree (parents index M; -1: the root). Deterministic: every
-        candidate is verified as a fixed one, so sampling stays lossless."""
-        def children(prenorm):  # [B, n, H] -> log-probs, tokens [B, n, width]
-            logp = torch.log_softmax(self.head.full_vocab_logits(
-                self.head.logits(prenorm)).float(), dim=-1)
-            return logp.topk(width, dim=-1)
-
+        """EAGLE-2's expansion (decoding.tree.grow_tree) with tree attention inside the head's
+        cache: a frontier node enters the head with the output that proposed it, at position
+        next + depth - 1, seeing the committed slots, its expanded ancestors and itself. The
+        tree's slots are dropped before returning. Deterministic: every candidate is verified
+        as a fixed one, so sampling stays lossless."""
         (batch, hidden_size), device = self.hidden.shape, self.hidden.device
         committed = self.cache.mask.shape[1]
-        logp, tokens = children(self.hidden[:, None])  # [B, 1, w]
-        tokens, scores = tokens[:, 0], logp[:, 0]  # [B, M] so far
-        parents = torch.full((batch, width), -1, dtype=torch.long, device=device)
-        made_by = self.hidden[:, None].expand(-1, width, -1)  # [B, M, H]: the output behind each
-        frontier = torch.arange(width, device=device).expand(batch, -1)  # [B, w] candidate ids
-        slot = torch.full((batch, width), -1, dtype=torch.long, device=device)  # [B, M]
-        ancestors = torch.zeros(batch, 0, 0, dtype=torch.bool, device=device)  # [B, S, S]
-        for depth in range(2, k + 1):
-            # the frontier's tokens enter the head, each seeing its expanded ancestors and itself
-            s = ancestors.shape[1]
+        state = {"slot": torch.zeros(batch, 0, dtype=torch.long, device=device),  # [B, M]
+                 "ancestors": torch.zeros(batch, 0, 0, dtype=torch.bool, device=device),
+                 "out": torch.zeros(batch, 0, hidden_size, dtype=self.hidden.dtype,
+                                    device=device),  # each expanded slot's output [B, S, H]
+                 "depth": 0}
+
+        def logp(prenorm):  # [B, n, H] -> [B, n, V]
+            return torch.log_softmax(self.head.full_vocab_logits(
+                self.head.logits(prenorm)).float(), dim=-1)
+
+        def expand(frontier, tokens, parents):
+            s, w = state["ancestors"].shape[1], frontier.shape[1]
+            slot = torch.cat([state["slot"], state["slot"].new_full(
+                (batch, tokens.shape[1] - state["slot"].shape[1]), -1)], dim=1)  # [B, M]
             parent = parents.gather(1, frontier)  # [B, w]
-            parent_slot = slot.gather(1, parent.clamp(min=0))  # [B, w]
-            inherited = ancestors.gather(1, parent_slot.clamp(min=0)[..., None].expand(-1, -1, s))
-            sees = torch.cat([inherited & (parent >= 0)[..., None],
-                              torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)],
-                             dim=2)  # [B, w, S + w]
-            ancestors = torch.cat([torch.cat([ancestors, ancestors.new_zeros(batch, s, width)], 2),
-                                   sees], dim=1)  # [B, S + w, S + w]
-            slot = slot.scatter(1, frontier, s + torch.arange(width, device=device).expand(batch, -1))
-            prenorm = self.cache.run_tree(
-                self.head, self._embeds(tokens.gather(1, frontier)),
-                made_by.gather(1, frontier[..., None].expand(-1, -1, hidden_size)),
-                torch.full((batch, width), depth - 1, dtype=torch.long, device=device), sees)
-            logp, child_tokens = children(prenorm)  # [B, w, w]
-            child_scores = (scores.gather(1, frontier)[..., None] + logp).flatten(1)  # [B, w^2]
-            base = tokens.shape[1]
-            tokens = torch.cat([tokens, child_tokens.flatten(1)], dim=1)
-            parents = torch.cat([parents, frontier.repeat_interleave(width, dim=1)], dim=1)
-            scores = torch.cat([scores, child_scores], dim=1)
-            made_by = torch.cat([made_by, prenorm.repeat_interleave(width, dim=1)], dim=1)
-            slot = torch.cat([slot, slot.new_full((batch, width * width), -1)], dim=1)
-            frontier = base + child_scores.topk(width, dim=-1).indices  # [B, w]
+            parent_slot = slot.gather(1, parent.clamp(min=0)).clamp(min=0)  # [B, w]
+            has_parent = (parent >= 0)[..., None]
+            inherited = state["ancestors"].gather(1, parent_slot[..., None].expand(-1, -1, s))
+            sees = torch.cat([inherited & has_parent, torch.eye(w, dtype=torch.bool, device=device)
+                              .expand(batch, -1, -1)], dim=2)  # [B, w, S + w]
+            root = self.hidden[:, None].expand(-1, w, -1)  # what proposed the root's children
+            made_by = root if s == 0 else torch.where(has_parent, state["out"].gather(
+                1, parent_slot[..., None].expand(-1, -1, hidden_size)), root)
+            state["depth"] += 1  # the frontier of expansion d holds nodes of depth d
+            depth = torch.full_like(frontier, state["depth"])
+            prenorm = self.cache.run_tree(self.head, self._embeds(tokens.gather(1, frontier)),
+                                          made_by, depth, sees)  # [B, w, H]
+            state["ancestors"] = torch.cat([torch.cat(
+                [state["ancestors"], state["ancestors"].new_zeros(batch, s, w)], 2), sees], 1)
+            state["slot"] = slot.scatter(1, frontier, s + torch.arange(w, device=device)
+                                         .expand(batch, -1))
+            state["out"] = torch.cat([state["out"], prenorm], dim=1)
+            return logp(prenorm)
+
+        candidates = grow_tree(logp(self.hidden), k, width, expand)
         self.cache.crop(self.cache.mask.shape[1] - committed, valid=False)
         self.chain = 0  # nothing of the tree stays in the cache
         self.tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # accept's shape
-        return tokens, parents, scores
+        return candidates
 
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """Replace the chain's slots by the verified tokens' slots, made from the target's

@@ -268,6 +268,47 @@ def test_bad_static_trees_are_refused(paths, message):
         DecodeSettings(k=4, tree=True, tree_nodes=300)
 
 
+@torch.no_grad()
+def test_a_model_drafts_dynamic_tree_scores_every_path_as_its_own_forward(target, drafts):
+    """Each candidate's cumulative log-probability equals the draft LM's on prompt + first
+    token + the candidate's path, computed by one plain forward per row (the tree attention,
+    positions and left padding of the expansion are right); the draft's cache is as before."""
+    prompts, ids, mask = _prompts([5, 9])
+    draft = drafts["noisy copy"]
+    first = torch.tensor([7, 11])
+    draft.start(ids, mask, first)
+    tokens, parents, scores = draft.propose_tree(3, 3)
+    cache_length = draft.lm.mask.shape[1]
+    assert tokens.shape == (2, 3 + 2 * 9) and cache_length == ids.shape[1] + 2
+    model = draft.lm.model
+    for row in range(2):
+        for m in range(tokens.shape[1]):
+            path, at = [], m
+            while at >= 0:
+                path.append(int(tokens[row, at]))
+                at = int(parents[row, at])
+            path.reverse()
+            seq = torch.tensor([prompts[row] + [int(first[row])] + path])
+            logp = torch.log_softmax(model(seq).logits[0].float(), -1)
+            n = len(prompts[row])
+            expected = sum(float(logp[n + i, t]) for i, t in enumerate(path))
+            assert abs(expected - float(scores[row, m])) < 1e-4, (row, m, path)
+
+
+@pytest.mark.parametrize("draft_name,hybrid", [("noisy copy", False), ("other", True)])
+def test_greedy_dynamic_tree_with_a_model_draft_equals_target_greedy(target, drafts, draft_name,
+                                                                     hybrid):
+    prompts, ids, mask = _prompts([5, 17, 9])
+    settings = DecodeSettings(max_new_tokens=40, k=4, tree=True, tree_width=3, tree_nodes=10,
+                              ngram_branch=hybrid)
+    out = generate(target, ids, mask, settings, {EOS}, drafts[draft_name])
+    for row, prompt in enumerate(prompts):
+        assert out.tokens[row] == _reference(target, prompt, 40), f"row {row}"
+    assert sum(s.accepted for s in out.stats) > 0
+    if draft_name == "noisy copy":
+        assert sum(s.accepted_alternative for s in out.stats) > 0  # off the greedy path too
+
+
 def test_a_tree_accepts_more_than_its_chain(target, drafts):
     _, ids, mask = _prompts([5, 17, 9])
     chain = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=4), {EOS},
