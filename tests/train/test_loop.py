@@ -271,6 +271,14 @@ def test_an_eagle3_head_learns_the_target(tiny_run, features):
     assert (cache / "manifest.json").is_file() == (features == "offline")
 
 
+def test_feature_noise_and_the_target_init_train(tiny_run):
+    cfg = tiny_run(*EAGLE3, "train.feature_noise=0.2", "train.head_init=target",
+                   "train.max_steps=3", "train.save_every=3", "train.eval_every=3")
+    summary = _train(cfg)
+    assert all(torch.isfinite(torch.tensor(v)) for v in _losses(cfg.run.output_path).values())
+    assert summary.after["loss"] < summary.before["loss"]
+
+
 def test_cached_features_for_other_layers_are_refused(tiny_run):
     cfg = tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2",
                    "train.save_every=2", "train.eval_every=2")
