@@ -89,18 +89,19 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         raise ConfigError(f"none of the {len(conversations)} selected conversations fits "
                           f"(skipped: {dict(skipped)}); raise data.max_prompt_tokens or set "
                           "data.overlong=truncate.")
+    # no process writes a shard before the manifest below exists (shards without one are
+    # refused), so what is written now is what every process finds after the barrier
+    done = {row["id"] for row in read_columns(data_dir, ["id"])}
+    pending = sum(j.conversation.id not in done for j in jobs)
     if accelerator.is_main_process:  # before anything is written: the disk holds it all
-        written = {row["id"] for row in read_columns(data_dir, ["id"])}
-        check_free_space(out, _bytes_needed(jobs, written, cfg), "stage 1 "
-                         f"({sum(j.conversation.id not in written for j in jobs)} conversations "
-                         "to generate)", "free disk space or point run.output_dir at a larger "
-                         "disk (or lower data.max_prompts or generation.top_k_logprobs).")
-    if accelerator.is_main_process:  # only now: a run that failed before this left no claim
+        check_free_space(out, _bytes_needed(jobs, done, cfg), f"stage 1 ({pending} "
+                         "conversations to generate)", "free disk space or point "
+                         "run.output_dir at a larger disk (or lower data.max_prompts or "
+                         "generation.top_k_logprobs).")
+        # only now: a run that failed before this left no claim
         write_manifest(out, {"status": "in_progress", "identity": identity})
         cfg.save(out / "config.yaml")
-    # no process writes a shard before the manifest exists: shards without one are refused
     accelerator.wait_for_everyone()
-    done = {row["id"] for row in read_columns(data_dir, ["id"])}
     # the batches are those of an uninterrupted run whatever is done (similar lengths batch with
     # less padding), so a resumed batch computes exactly what it would have: a batch is skipped
     # when all of it is written, else generated whole and only its missing rows written
@@ -109,7 +110,6 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     batch_size = cfg.generation.batch_size
     batches = [mine[b : b + batch_size] for b in range(0, len(mine), batch_size)]
     batches = [b for b in batches if any(j.conversation.id not in done for j in b)]
-    pending = sum(j.conversation.id not in done for j in jobs)
     log(f"[distill] {len(jobs)} conversations selected ({len(done)} already written, "
         f"{pending} to generate), {sum(skipped.values())} skipped {dict(skipped)}; "
         f"writing to {data_dir}")

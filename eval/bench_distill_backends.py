@@ -9,9 +9,9 @@ into fresh folders under the cache, and prints for each: tokens the target wrote
 tokens/s (the generation loop alone), the ratio to the first run, and the stage's wall time
 including model load or vLLM's engine start (and its compilation); then how many conversations
 each run wrote identically to the first (ids, tokens, loss masks: a dtype changes the data).
-The hf backend runs the recipe's generation.batch_size, vllm --vllm-batch. With a recipe that
-reads aux features (EAGLE-3, DFlash), it then writes the offline features of the first run's
-data once and prints their tokens/s and bytes per token.
+The hf backend runs the recipe's generation.batch_size, vllm --vllm-batch. With an EAGLE-3
+recipe it then writes the offline features of the first run's data once and prints their
+tokens/s and bytes per token.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 def main() -> None:
     import pyarrow.parquet as pq
+    import torch
     from accelerate import Accelerator
 
     from distill import run_distill
@@ -64,18 +65,12 @@ def main() -> None:
     gen = cfg.generation
     print(f"\nstage 1, {args.prompts} ShareGPT prompts, max_turns {cfg.data.max_turns}, "
           f"{gen.max_new_tokens} new tokens per turn, T={gen.temperature}, "
-          f"{torch_threads()} threads")
+          f"{torch.get_num_threads()} threads")
     print("| backend | dtype | batch | conversations | tokens written | generation tokens/s | "
           "vs first | stage wall s | conversations identical to the first |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     features(outs[next(iter(outs))])
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def features(cfg) -> None:
@@ -85,7 +80,7 @@ def features(cfg) -> None:
     from assets.target import load_target, load_tokenizer, resolve_target
     from drafts.eagle3 import default_aux_layers
     from train.data import load_stage1
-    from train.features import feature_cache
+    from train.features import bytes_per_token, feature_cache
 
     if cfg.train.draft != "eagle3":
         print("(the recipe trains no EAGLE-3 head: no feature dump measured)")
@@ -102,7 +97,7 @@ def features(cfg) -> None:
                   log=lambda *a: None)
     seconds = time.perf_counter() - start
     tokens = sum(min(len(e.input_ids), cfg.train.max_seq_len) for e in examples)
-    per_token = 4 * target.config.hidden_size * 2
+    per_token = bytes_per_token(target.config.hidden_size, cfg.train.feature_dtype)
     print(f"\noffline features ({cfg.train.feature_dtype}, aux layers {aux} + the last hidden "
           f"state, micro-batch {cfg.train.micro_batch_size}, {cfg.model.dtype} target): "
           f"{tokens:,} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "

@@ -429,7 +429,8 @@ def markdown_table(report: dict) -> str:
              (("trees ('+tree', '+hybrid'): " + (
                  f"the static tree {report['tree_paths']}" if report.get("tree_paths") else
                  f"dynamic (EAGLE-2) trees of {report['tree_nodes']} nodes, {s['tree_width']} "
-                 "expanded per depth, for drafts that expand them (EAGLE-3), else the chain plus "
+                 "expanded per depth, for drafts that expand them (EAGLE-3 heads, independent "
+                 "drafts), else the chain plus "
                  f"{s['tree_width']} alternatives per draft position" if report.get("tree_nodes")
                  else f"the chain plus {s['tree_width']} alternatives per draft position")
                + "; '+hybrid' adds the n-gram match as a branch")

@@ -197,10 +197,10 @@ class DecodeSettings:
     depth, rank r in 1..tree_width its r-th likeliest other token; every path's parent listed
     too, depth <= k. E.g. [[0],[1],[0,0],[0,1],[1,0],[0,0,0]]. Empty: the default shape."""
     tree_nodes: int = 0
-    """> 0: a dynamic tree (EAGLE-2) for drafts that expand one (EAGLE-3 heads): at each of
-    the k depths the tree_width best nodes are expanded into their tree_width likeliest tokens,
-    and the tree_nodes candidates of highest cumulative draft probability are verified. Other
-    kinds keep the default shape. 0: off."""
+    """> 0: a dynamic tree (EAGLE-2) for drafts that expand one (EAGLE-3 heads, independent
+    drafts): at each of the k depths the tree_width best nodes are expanded into their
+    tree_width likeliest tokens, and the tree_nodes candidates of highest cumulative draft
+    probability are verified. Other kinds keep the default shape. 0: off."""
 
     section: ClassVar[str] = ""  # how messages name the fields: '' or 'eval.'
 
@@ -232,18 +232,19 @@ class DecodeSettings:
             if self.tree_paths:
                 raise ConfigError(f"{at}tree_nodes (a dynamic tree) and {at}tree_paths (a static "
                                   "one) contradict each other: set one of them.")
-            if not self.uses_trees:
-                raise ConfigError(f"{at}tree_nodes is set but no step verifies a tree: "
-                                  + ("add 'tree' or 'hybrid' to eval.modes" if at else
-                                     "set tree=true") + " or set it to 0.")
+            self._needs_trees("tree_nodes", "set it to 0")
+
+    def _needs_trees(self, name: str, otherwise: str) -> None:
+        if not self.uses_trees:
+            at = self.section
+            raise ConfigError(f"{at}{name} is set but no step verifies a tree: "
+                              + ("add 'tree' or 'hybrid' to eval.modes" if at else
+                                 "set tree=true") + f" or {otherwise}.")
 
     def _check_tree_paths(self) -> None:
         at, paths = self.section, [tuple(p) for p in self.tree_paths]
         fix = f"fix {at}tree_paths (or leave it empty for the default tree)."
-        if not self.uses_trees:
-            raise ConfigError(f"{at}tree_paths is set but no step verifies a tree: "
-                              + ("add 'tree' or 'hybrid' to eval.modes" if at else
-                                 "set tree=true") + " or drop tree_paths.")
+        self._needs_trees("tree_paths", "drop tree_paths")
         for path in paths:
             if not path:
                 raise ConfigError(f"{at}tree_paths has an empty path (the root is implicit): {fix}")

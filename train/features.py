@@ -37,6 +37,11 @@ def target_hidden(target, batch: Batch, aux_layers: list[int] | None = None) -> 
                         target.get_input_embeddings()(batch.input_ids))
 
 
+def bytes_per_token(hidden_size: int, feature_dtype: str) -> int:
+    """What the offline features store per token: three aux layers and the last hidden state."""
+    return 4 * hidden_size * DTYPES[feature_dtype].itemsize
+
+
 def noisy_features(hidden: TargetHidden, width: float, seed: int, micro_batch: int) -> TargetHidden:
     """EAGLE's feature augmentation: aux [B, T, F] + U(-width/2, width/2), drawn from a
     generator seeded by (seed, micro_batch) so a resumed run adds exactly the same noise."""
@@ -122,7 +127,7 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
     hidden = target.config.hidden_size
     tokens = sum(min(len(e.input_ids), tcfg.max_seq_len) for e in examples)
     missing = [i for i in range(_shard_count(examples)) if not _shard_path(folder, i).is_file()]
-    per_token = 4 * hidden * dtype.itemsize  # three aux layers and the last hidden state
+    per_token = bytes_per_token(hidden, tcfg.feature_dtype)
     if rank == 0 and missing:
         shards = set(missing)
         to_write = sum(min(len(e.input_ids), tcfg.max_seq_len) for i, e in enumerate(examples)

@@ -138,8 +138,7 @@ class Eagle3Draft:
         state = {"slot": torch.zeros(batch, 0, dtype=torch.long, device=device),  # [B, M]
                  "ancestors": torch.zeros(batch, 0, 0, dtype=torch.bool, device=device),
                  "out": torch.zeros(batch, 0, hidden_size, dtype=self.hidden.dtype,
-                                    device=device),  # each expanded slot's output [B, S, H]
-                 "depth": 0}
+                                    device=device)}  # each expanded slot's output [B, S, H]
 
         def logp(prenorm):  # [B, n, H] -> [B, n, V]
             return torch.log_softmax(self.head.full_vocab_logits(
@@ -158,8 +157,7 @@ class Eagle3Draft:
             root = self.hidden[:, None].expand(-1, w, -1)  # what proposed the root's children
             made_by = root if s == 0 else torch.where(has_parent, state["out"].gather(
                 1, parent_slot[..., None].expand(-1, -1, hidden_size)), root)
-            state["depth"] += 1  # the frontier of expansion d holds nodes of depth d
-            depth = torch.full_like(frontier, state["depth"])
+            depth = torch.full_like(frontier, s // w + 1)  # w slots per earlier expansion
             prenorm = self.cache.run_tree(self.head, self._embeds(tokens.gather(1, frontier)),
                                           made_by, depth, sees)  # [B, w, H]
             state["ancestors"] = torch.cat([torch.cat(

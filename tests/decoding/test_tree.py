@@ -132,6 +132,15 @@ def test_a_dynamic_tree_keeps_the_best_paths_by_cumulative_score():
     assert set(_nodes_by_path(hybrid)) - set(nodes) == {(5, 12), (5, 12, 13)}
 
 
+def candidate_path(tokens: torch.Tensor, parents: torch.Tensor, row: int, m: int) -> list[int]:
+    """A dynamic tree candidate's tokens from the root's child down to candidate m."""
+    path = []
+    while m >= 0:
+        path.append(int(tokens[row, m]))
+        m = int(parents[row, m])
+    return path[::-1]
+
+
 def _one_hot_targets(tree: Tree, argmax: dict[int, int], vocab: int = 32):
     p = torch.zeros(1, tree.size, vocab)
     for node in range(tree.size):
@@ -283,11 +292,7 @@ def test_a_model_drafts_dynamic_tree_scores_every_path_as_its_own_forward(target
     model = draft.lm.model
     for row in range(2):
         for m in range(tokens.shape[1]):
-            path, at = [], m
-            while at >= 0:
-                path.append(int(tokens[row, at]))
-                at = int(parents[row, at])
-            path.reverse()
+            path = candidate_path(tokens, parents, row, m)
             seq = torch.tensor([prompts[row] + [int(first[row])] + path])
             logp = torch.log_softmax(model(seq).logits[0].float(), -1)
             n = len(prompts[row])

@@ -22,6 +22,7 @@ from drafts.eagle3 import (
 )
 from recipe import ConfigError
 from tests.decoding.test_engine import _prompts
+from tests.decoding.test_tree import candidate_path
 from train.data import Example, collate
 from train.features import target_hidden
 
@@ -215,8 +216,14 @@ def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target):
     prompts, ids, mask = _prompts([6, 9])
     draft = Eagle3Draft(_head(target), target.get_input_embeddings())
     out = generate(target, ids, mask, DecodeSettings(max_new_tokens=12, k=3), set(), draft)
-    for row in range(2):
-        history = prompts[row] + out.tokens[row]
+    _assert_fresh_start_state(target, draft, prompts, out.tokens, range(2))
+
+
+def _assert_fresh_start_state(target, draft, prompts, outputs, rows):
+    """The head's state at each row's last verified token is what a fresh start on the row's
+    whole history computes."""
+    for row in rows:
+        history = prompts[row] + outputs[row]
         context = torch.tensor([history[:-1]])
         fresh = Eagle3Draft(draft.head, target.get_input_embeddings())
         with torch.no_grad():
@@ -278,11 +285,7 @@ def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target):
     head = chain_copy.head
     for row in range(2):
         for m in range(tokens.shape[1]):
-            path, at = [], m
-            while at >= 0:
-                path.append(int(tokens[row, at]))
-                at = int(parents[row, at])
-            path.reverse()
+            path = candidate_path(tokens, parents, row, m)
             sequential = copy.deepcopy(chain_copy)
             hidden, total = sequential.hidden[row : row + 1], 0.0
             sequential.cache.keys = sequential.cache.keys[row : row + 1]
@@ -316,14 +319,8 @@ def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, no
     # after the tree steps the head's state is a fresh start's on the whole history (rows
     # that finished early went on drafting past their output: checked are those that did not)
     last = max(s.steps for s in spec.stats)
-    for row in (r for r in range(3) if spec.stats[r].steps == last):
-        history = prompts[row] + spec.tokens[row]
-        context = torch.tensor([history[:-1]])
-        fresh = Eagle3Draft(draft.head, target.get_input_embeddings())
-        with torch.no_grad():
-            hidden = target(context, output_hidden_states=True).hidden_states
-            fresh.start(context, torch.ones_like(context), torch.tensor([history[-1]]), hidden)
-        assert torch.allclose(fresh.hidden[0], draft.hidden[row], atol=1e-5)
+    _assert_fresh_start_state(target, draft, prompts, spec.tokens,
+                              [r for r in range(3) if spec.stats[r].steps == last])
 
 
 @torch.no_grad()
