@@ -3,7 +3,9 @@ log-probabilities."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +166,17 @@ class VLLMGenerator:
     def close(self) -> None:
         """Stop vLLM's engine process now rather than at interpreter exit."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def resolve_generation(gen: GenerationConfig) -> GenerationConfig:
+    """The backend and batch size stage 1 runs: 'auto' is vLLM where it is installed (on 2 CPU
+    cores 4.5x the tokens/s of transformers in float32 at batch 16, 8.5x at batch 64), else
+    transformers; a null batch size is 64 with vLLM, 16 with transformers."""
+    backend = gen.backend
+    if backend == "auto":
+        backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    batch_size = gen.batch_size or (64 if backend == "vllm" else 16)
+    return dataclasses.replace(gen, backend=backend, batch_size=batch_size)
 
 
 def make_generator(target, tokenizer, cfg, device):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ def schema(top_k: int) -> pa.Schema:
         # cut inside a multi-byte character, a non-canonical merge); input_ids hold the re-encoding
         ("retokenized_replies", pa.int32()),
         ("finish_reasons", pa.list_(pa.string())),  # per assistant turn: stop | length
+        ("backend", pa.string()),  # who ran the target: hf | vllm (the manifest counts them)
     ]
     if top_k:
         fields += [("topk_ids", pa.list_(pa.list_(pa.int32()))),  # [N, k], N = sum(loss_mask)
@@ -60,6 +62,17 @@ def read_columns(data_dir: Path, columns: list[str]) -> list[dict[str, Any]]:
     for path in shard_files(data_dir):
         rows.extend(pq.read_table(path, columns=columns).to_pylist())
     return rows
+
+
+def backend_counts(data_dir: Path) -> dict[str, int]:
+    """Conversations per stage-1 backend ('unrecorded': shards from before rows recorded it)."""
+    counts: Counter[str] = Counter()
+    for path in shard_files(data_dir):
+        if "backend" in pq.read_schema(path).names:
+            counts.update(pq.read_table(path, columns=["backend"]).column("backend").to_pylist())
+        else:
+            counts["unrecorded"] += pq.read_metadata(path).num_rows
+    return dict(sorted(counts.items()))
 
 
 class ShardWriter:

@@ -6,6 +6,7 @@ is done -> generate turn by turn in left-padded batches -> write shards -> close
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -18,9 +19,15 @@ from tqdm.auto import tqdm
 from assets.chat import Message, encode, render, tokenize_conversation
 from assets.prompts import Conversation, is_held_out, select_prompts
 from assets.target import load_tokenizer, resolve_target
-from distill.generate import conversation_seed, make_generator, topk_logprobs
+from distill.generate import (
+    conversation_seed,
+    make_generator,
+    resolve_generation,
+    topk_logprobs,
+)
 from distill.shards import (
     ShardWriter,
+    backend_counts,
     identity_differences,
     read_columns,
     read_manifest,
@@ -58,6 +65,7 @@ class DistillSummary:
 
 
 def run_distill(cfg: Config, accelerator) -> DistillSummary:
+    cfg = dataclasses.replace(cfg, generation=resolve_generation(cfg.generation))
     out = cfg.run.output_path
     data_dir = out / "data"
     log = accelerator.print
@@ -112,7 +120,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     batches = [b for b in batches if any(j.conversation.id not in done for j in b)]
     log(f"[distill] {len(jobs)} conversations selected ({len(done)} already written, "
         f"{pending} to generate), {sum(skipped.values())} skipped {dict(skipped)}; "
-        f"writing to {data_dir}")
+        f"writing to {data_dir} with the {cfg.generation.backend} backend, batch {batch_size}")
 
     generated_now, tokens, elapsed = 0, 0, 0.0
     if batches:
@@ -277,7 +285,8 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config,
                "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask,
                "num_turns": len(finished[r]), "generated_tokens": generated[r],
                "retokenized_replies": retokenized[r],
-               "finish_reasons": ["stop" if f else "length" for f in finished[r]]}
+               "finish_reasons": ["stop" if f else "length" for f in finished[r]],
+               "backend": cfg.generation.backend}
         if cfg.generation.top_k_logprobs:
             ids, logprobs = topk_logprobs(generator.model, tokenized.input_ids,
                                           tokenized.loss_mask, cfg.generation.top_k_logprobs)
@@ -327,6 +336,7 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
                                              if j.split == "held_out")},
             "counts": {**counts, "conversations_ended_early_over_max_prompt_tokens": cut_short},
             "shards": [p.name for p in shard_files(out / "data")],
+            "generated_by": backend_counts(out / "data"),
         }
         write_manifest(out, manifest)
     accelerator.wait_for_everyone()
@@ -335,6 +345,8 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
 
 def _describe(manifest: dict) -> str:
     c = manifest["counts"]
+    by = manifest.get("generated_by", {})
+    mixed = f"; MIXED backends {by} (resumed with another one)" if len(by) > 1 else ""
     return (f"train {c['train']['conversations']} conversations / {c['train']['tokens']} tokens "
             f"({c['train']['assistant_tokens']} assistant), held_out "
-            f"{c['held_out']['conversations']} / {c['held_out']['tokens']} tokens")
+            f"{c['held_out']['conversations']} / {c['held_out']['tokens']} tokens{mixed}")

@@ -97,6 +97,13 @@ def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
                           "generation.top_k_logprobs > 0.")
     for split in splits.values():
         split.sort(key=lambda e: e.id)  # shard layout (ranks, batches) must not change the order
+    wanted = cfg.train.max_conversations
+    if wanted is not None:
+        if wanted > len(splits["train"]):
+            raise ConfigError(f"train.max_conversations={wanted}, but {out} holds "
+                              f"{len(splits['train'])} training conversations: lower it (or null: "
+                              "all), or generate more data (data.max_prompts).")
+        splits["train"] = splits["train"][:wanted]
     if len(splits["train"]) < cfg.train.micro_batch_size:
         raise ConfigError(f"{len(splits['train'])} training conversations in {out}, fewer than "
                           f"train.micro_batch_size={cfg.train.micro_batch_size}: generate more "

@@ -24,7 +24,8 @@ def _args(tiny_target, prompts, out, *extra):
     return ["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
             "--stage", "distill", f"model.target={tiny_target}", f"data.sources=[{prompts}]",
             f"run.output_dir={out}", "data.max_prompts=null", "data.held_out_fraction=0.25",
-            "data.max_prompt_tokens=null", "generation.max_new_tokens=6", *extra]
+            "data.max_prompt_tokens=null", "generation.max_new_tokens=6", "generation.backend=hf",
+            *extra]
 
 
 def _run(args, **kw):
@@ -48,6 +49,7 @@ def test_distill_writes_masked_sharded_data_with_manifest(tiny_target, tmp_path,
     tok = smollm2_tokenizer
     manifest = summary.manifest
     assert manifest["status"] == "complete" and summary.generated_now == 10
+    assert manifest["generated_by"] == {"hf": 10}
     assert (out / "config.yaml").is_file() and load_config(out / "config.yaml") == cfg
     ds = load_distilled(out)
     assert len(ds["train"]) + len(ds["held_out"]) == 10

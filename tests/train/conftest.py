@@ -14,7 +14,7 @@ from tests.conftest import chat_records, write_jsonl
 def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
     return [f"model.target={tiny_target}", f"data.sources=[{prompts}]", f"run.output_dir={out}",
             "data.max_prompts=null", "data.max_prompt_tokens=null", "data.held_out_fraction=0.25",
-            "generation.max_new_tokens=24", "generation.top_k_logprobs=8",
+            "generation.max_new_tokens=24", "generation.top_k_logprobs=8", "generation.backend=hf",
             "train.draft=layer-truncated:1",
             "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
             "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",

@@ -329,3 +329,17 @@ def test_a_parallel_drafter_learns_the_target(tiny_run, kind):
         assert saved["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [0]}
     else:
         assert saved["pard_token"] == 16 and saved["pard_trained_k"] == 3
+
+
+def test_max_conversations_trains_on_a_nested_subset_and_refuses_more_than_there_is(tiny_run):
+    from train.data import load_stage1
+
+    fingerprint = json.loads((tiny_run().run.output_path / "manifest.json").read_text())[
+        "identity"]["target"]["fingerprint"]
+    every = load_stage1(tiny_run(), fingerprint).train
+    four = load_stage1(tiny_run("train.max_conversations=4"), fingerprint).train
+    assert [e.id for e in four] == [e.id for e in every[:4]] and len(every) > 4
+    with pytest.raises(ConfigError, match=f"holds {len(every)} training conversations"):
+        load_stage1(tiny_run(f"train.max_conversations={len(every) + 1}"), fingerprint)
+    with pytest.raises(ConfigError, match="must be >= train.micro_batch_size"):
+        tiny_run("train.max_conversations=1")
