@@ -103,3 +103,10 @@ def test_tests_write_under_a_temporary_cache(temporary_cache):
 
     assert cache_root() == temporary_cache
     assert Path.home() / ".cache" not in cache_root().parents
+
+
+@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_recipe_loads_with_the_auto_backend(recipe):
+    cfg = load_config(recipe)
+    assert cfg.generation.backend == "auto" and cfg.generation.batch_size is None
