@@ -148,7 +148,7 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
             f"{tokens * per_token / 2**30:.2f} GiB in {folder}; {len(missing)} of "
             f"{_shard_count(examples)} shards to write")
     barrier()
-    start, written = time.perf_counter(), 0
+    began, written = time.perf_counter(), 0
     for index in missing:
         if index % world != rank:
             continue
@@ -169,12 +169,12 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         written += sum(t.shape[0] for name, t in tensors.items() if name.endswith("/last"))
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - began
         log(f"[train] features shard {index + 1}/{_shard_count(examples)} written "
             f"({written:,} tokens in {elapsed:.0f} s, {written / elapsed:.0f} tokens/s)")
     if rank == 0 and written:  # the dump's cost, for the tau-vs-data table (rank 0's share)
         manifest = json.loads(manifest_path.read_text())
-        manifest["dump_seconds"] = manifest.get("dump_seconds", 0.0) + time.perf_counter() - start
+        manifest["dump_seconds"] = manifest.get("dump_seconds", 0.0) + time.perf_counter() - began
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     barrier()
     return FeatureCache(folder, examples, tcfg.max_seq_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -259,7 +260,9 @@ def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
 @pytest.mark.parametrize("features", ["online", "offline"])
 def test_an_eagle3_head_learns_the_target(tiny_run, features):
     cfg = tiny_run(*EAGLE3, f"train.target_features={features}")
+    began = time.perf_counter()
     summary = _train(cfg)
+    wall = time.perf_counter() - began
     losses = _losses(cfg.run.output_path)
     assert losses[6] < 0.8 * losses[1]
     assert summary.after["loss"] < summary.before["loss"]
@@ -269,6 +272,8 @@ def test_an_eagle3_head_learns_the_target(tiny_run, features):
     assert head_config["draft_vocab_size"] == 1024
     cache = cfg.run.output_path / "features"
     assert (cache / "manifest.json").is_file() == (features == "offline")
+    if features == "offline":  # the dump's own seconds, within the run's
+        assert 0 < json.loads((cache / "manifest.json").read_text())["dump_seconds"] < wall
 
 
 def test_feature_noise_and_the_target_init_train(tiny_run):
