@@ -75,17 +75,17 @@ def _s(seconds: float | None) -> str:
 
 
 def table(points: list[dict], modes: list[str]) -> str:
-    head = ("| train conversations | generated tokens | stage 1 s | features s | train s "
-            "(steps) | predicted tau sampled / greedy | "
-            + " | ".join(f"MT-bench tau {m}" for m in modes) + " |")
-    lines = [head, "|" + "---|" * (6 + len(modes))]
+    head = ["train conversations", "generated tokens", "stage 1 s", "features s",
+            "train s (steps)", "predicted tau sampled / greedy",
+            *(f"MT-bench tau {m}" for m in modes)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
-        tau = [f"{p['measured'][m]['tau']:.2f}" if m in p["measured"] else "-" for m in modes]
-        lines.append(f"| {p['conversations']} | {p['generated_tokens']:,} | "
-                     f"{_s(p['stage1_seconds'])} | {_s(p['feature_seconds'])} | "
-                     f"{_s(p['train_seconds'])} ({p['optimizer_steps']}) | "
-                     f"{p['predicted_tau']:.3f} / {p['predicted_greedy_tau']:.3f} | "
-                     + " | ".join(tau) + " |")
+        cells = [str(p["conversations"]), f"{p['generated_tokens']:,}", _s(p["stage1_seconds"]),
+                 _s(p["feature_seconds"]), f"{_s(p['train_seconds'])} ({p['optimizer_steps']})",
+                 f"{p['predicted_tau']:.3f} / {p['predicted_greedy_tau']:.3f}",
+                 *(f"{p['measured'][m]['tau']:.2f}" if m in p["measured"] else "-"
+                   for m in modes)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                      p["predicted_greedy_tau"]) for p in points if key is None or key in p["measured"]]
             if len(have) >= 2:
                 a, b = log_fit(*map(list, zip(*have)))
-                reach = f"{10 ** ((2.0 - a) / b):,.0f}" if b > 0 else "never (no gain)"
+                reach = f"{10 ** ((2.0 - a) / b):,.3g}" if b > 0 else "never (no gain)"
                 text.append(f"- {label}: {b:+.3f} tau per 10x conversations (log-linear fit of "
                             f"{len(have)} points); tau 2.0 at ~{reach} conversations if the fit "
                             "held")
