@@ -24,7 +24,11 @@ def test_vllm_backend_writes_what_the_hf_backend_writes(tmp_path):
         run_distill(cfg, Accelerator(cpu=True))
         rows = [r for path in shard_files(tmp_path / backend / "data")
                 for r in pq.read_table(path).to_pylist()]
-        return sorted(rows, key=lambda r: r["id"]), read_manifest(tmp_path / backend)
+        manifest = read_manifest(tmp_path / backend)
+        # each row and the manifest name who generated it; everything else must match
+        assert {r.pop("backend") for r in rows} == {backend}
+        assert manifest.pop("generated_by") == {backend: len(rows)}
+        return sorted(rows, key=lambda r: r["id"]), manifest
 
     hf_rows, hf_manifest = run("hf")
     vllm_rows, vllm_manifest = run("vllm")
