@@ -39,8 +39,9 @@ def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
     generated = sum(r["generated_tokens"] for r in rows)
     measured = {}
     for results in evals:
-        own = results["draft"] is not None and Path(results["draft"]).resolve() == (
-            run / "train" / "draft").resolve()
+        # the eval's own draft: "<path> (<kind>, ...)"
+        own = results["draft"] is not None and Path(results["draft"].split(" (")[0]).resolve() \
+            == (run / "train" / "draft").resolve()
         for name, m in results["methods"].items():
             base, _, mode = name.partition("+")
             if base == f"speculative:{run.name}" or (own and base == "speculative"):

@@ -37,7 +37,7 @@ def _run(root, name, max_conversations, tau):
 
 def test_report_reads_every_point(tmp_path, capsys):
     small, big = _run(tmp_path, "small", 2, 1.1), _run(tmp_path, "big", None, 1.4)
-    results = {"draft": str(big / "train" / "draft"), "num_prompts": 10, "methods": {
+    results = {"draft": f"{big / 'train' / 'draft'} (EAGLE-3, draft vocabulary 512)", "num_prompts": 10, "methods": {
         "speculative": {"tau": 1.5, "speedup": 0.5, "identical_to_target": 10},
         "speculative+hybrid": {"tau": 2.1, "speedup": 0.7, "identical_to_target": 10},
         "speculative:small": {"tau": 1.2}, "prompt_lookup": {"tau": 1.66}}}
