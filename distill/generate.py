@@ -170,8 +170,9 @@ class VLLMGenerator:
 
 def resolve_generation(gen: GenerationConfig) -> GenerationConfig:
     """The backend and batch size stage 1 runs: 'auto' is vLLM where it is installed (on 2 CPU
-    cores 4.5x the tokens/s of transformers in float32 at batch 16, 8.5x at batch 64), else
-    transformers; a null batch size is 64 with vLLM, 16 with transformers."""
+    cores 3.4x the tokens/s of transformers in float32 at batch 16,
+    eval/bench_distill_backends.py), else transformers; a null batch size is 64 with vLLM, 16
+    with transformers."""
     backend = gen.backend
     if backend == "auto":
         backend = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

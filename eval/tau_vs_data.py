@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from distill.shards import read_columns
+from train.data import first_conversations
 
 
 def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
@@ -32,8 +33,7 @@ def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
     config = yaml.safe_load((run / "train" / "draft" / "config.yaml").read_text())
     rows = [r for r in read_columns(run / "data", ["id", "split", "generated_tokens"])
             if r["split"] == "train"]
-    rows.sort(key=lambda r: r["id"])  # the order train.max_conversations takes them in
-    rows = rows[: config["train"]["max_conversations"] or len(rows)]
+    rows = first_conversations(rows, config["train"]["max_conversations"], key=lambda r: r["id"])
     trained = json.loads((run / "train" / "draft" / "draftsmith_train.json").read_text())
     features = run / "features" / "manifest.json"
     generated = sum(r["generated_tokens"] for r in rows)

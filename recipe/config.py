@@ -134,8 +134,8 @@ class GenerationConfig:
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """Who runs the target in stage 1: transformers' generate ('hf') or vLLM's offline LLM
     ('vllm', the 'cpu' extra on a machine without GPU). Same files either way; each row records
-    its backend and the manifest counts them. 'auto': vLLM where it is installed (4.5x the
-    tokens/s of transformers in float32 on 2 CPU cores), else transformers."""
+    its backend and the manifest counts them. 'auto': vLLM where it is installed (3.4x the
+    tokens/s of transformers in float32 on 2 CPU cores, batch 16), else transformers."""
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
 
@@ -474,7 +474,7 @@ class TrainConfig:
     """Draft length k of the predicted acceptance (tau, alpha_1..alpha_k) on held-out data."""
     max_conversations: int | None = None
     """Train on the first N training conversations by id (a fixed subset, nested across N: the
-    tau-vs-data curve trains on 48 < 160 < all of one data set); None: all."""
+    tau-vs-data curve trains on 24 < 80 < 240 of one data set); None: all."""
     eval_conversations: int | None = None
     """Held-out conversations used for the predicted acceptance; None: all."""
 

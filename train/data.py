@@ -98,17 +98,22 @@ def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
     for split in splits.values():
         split.sort(key=lambda e: e.id)  # shard layout (ranks, batches) must not change the order
     wanted = cfg.train.max_conversations
-    if wanted is not None:
-        if wanted > len(splits["train"]):
-            raise ConfigError(f"train.max_conversations={wanted}, but {out} holds "
-                              f"{len(splits['train'])} training conversations: lower it (or null: "
-                              "all), or generate more data (data.max_prompts).")
-        splits["train"] = splits["train"][:wanted]
+    if wanted is not None and wanted > len(splits["train"]):
+        raise ConfigError(f"train.max_conversations={wanted}, but {out} holds "
+                          f"{len(splits['train'])} training conversations: lower it (or null: "
+                          "all), or generate more data (data.max_prompts).")
+    splits["train"] = first_conversations(splits["train"], wanted, key=lambda e: e.id)
     if len(splits["train"]) < cfg.train.micro_batch_size:
         raise ConfigError(f"{len(splits['train'])} training conversations in {out}, fewer than "
                           f"train.micro_batch_size={cfg.train.micro_batch_size}: generate more "
                           "data (data.max_prompts) or lower the micro-batch size.")
     return TrainData(splits["train"], splits["held_out"])
+
+
+def first_conversations(items: list, n: int | None, key) -> list:
+    """train.max_conversations: the first n by conversation id (all when n is None); the
+    training set and the tau-vs-data report both take their subset here."""
+    return sorted(items, key=key)[:n]
 
 
 def truncate(example: Example, max_len: int) -> Example:

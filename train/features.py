@@ -164,11 +164,11 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
                 n = int(batch.attention_mask[row].sum())
                 tensors[f"{e.id}/aux"] = out.aux[row, :n].to("cpu", dtype).contiguous()
                 tensors[f"{e.id}/last"] = out.last[row, :n].to("cpu", dtype).contiguous()
+                written += n
         path = _shard_path(folder, index)
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-        written += sum(t.shape[0] for name, t in tensors.items() if name.endswith("/last"))
         elapsed = time.perf_counter() - began
         log(f"[train] features shard {index + 1}/{_shard_count(examples)} written "
             f"({written:,} tokens in {elapsed:.0f} s, {written / elapsed:.0f} tokens/s)")
