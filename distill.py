@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[export] {exported.folder}; serve with:\n  {exported.vllm_command}")
         if "validate" in stages and accelerator.is_main_process:
             result = validate(cfg)
-            print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_vllm:.3f} in "
+            print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
                   f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
-                  f"{result.identical_vllm_texts}/{result.prompts}")
+                  f"{result.identical_engine_texts}/{result.prompts}")
             if not result.ok:
                 print("error: the export does not reproduce the trained draft in vLLM:\n  "
                       + "\n  ".join(result.failures), file=sys.stderr)

@@ -232,6 +232,7 @@ class Independent:
     vllm_options: dict = {}
     formats = ("vllm",)
     hf_assistant = True
+    llamacpp_spec_type = "draft-simple"
 
     def claims(self, spec: str) -> bool:
         return True

@@ -68,6 +68,9 @@ class DraftKind(Protocol):
     parallel_drafting)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
+    llamacpp_spec_type: str | None
+    """llama.cpp's --spec-type for its GGUF export (serving.export --format gguf); None:
+    llama.cpp does not serve it."""
 
     def claims(self, spec: str) -> bool:
         """Whether a train.draft / eval.draft spec that is not a saved folder names this kind."""

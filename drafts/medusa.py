@@ -197,6 +197,7 @@ class Medusa:
     name, description, vllm_method, formats = "medusa", "Medusa heads", "medusa", ("vllm",)
     vllm_options: dict = {}
     hf_assistant = False
+    llamacpp_spec_type = None
 
     def claims(self, spec: str) -> bool:
         return spec.partition(":")[0] == "medusa"

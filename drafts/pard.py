@@ -110,6 +110,7 @@ class Pard:
     vllm_options = {"parallel_drafting": True}
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
+    llamacpp_spec_type = None  # llama.cpp would draft with it token by token, not in parallel
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)

@@ -56,6 +56,7 @@ class PromptLookup:
     name, description, vllm_method, formats = "prompt-lookup", "prompt lookup", None, ()
     vllm_options: dict = {}
     hf_assistant = False
+    llamacpp_spec_type = None  # llama.cpp has its own: --spec-type ngram-*
 
     def claims(self, spec: str) -> bool:
         return spec == "prompt-lookup"

@@ -36,10 +36,12 @@ from recipe import Config, ConfigError
 class Export:
     folder: Path
     method: str
-    """vLLM's speculative method: 'medusa', 'eagle3' or 'draft_model'."""
+    """vLLM's speculative method ('medusa', 'eagle3', 'draft_model', ...); for a GGUF export
+    llama.cpp's --spec-type ('draft-simple', 'draft-eagle3')."""
     num_speculative_tokens: int
     target_path: str
     vllm_command: str
+    """The command that serves it (vLLM's server, or llama-server for a GGUF export)."""
 
 
 def export_folder(cfg: Config, folder: Path | None = None) -> Path:
@@ -113,6 +115,82 @@ def export_draft(cfg: Config, k: int, draft_folder: Path | None = None,
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return Export(out, method, k, target.path, command)
+
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def target_gguf(cfg: Config, outtype: str = "f32", log=print) -> Path:
+    """The target as GGUF, converted once by llama.cpp's converter into
+    <cache>/gguf/<target>-<fingerprint>-<outtype>.gguf (a target is large: not copied into every
+    export folder)."""
+    from recipe import cache_root
+    from serving.llamacpp import convert_to_gguf
+
+    target = resolve_target(cfg.model)
+    if not Path(target.path).is_dir():
+        raise ConfigError(f"the target {target.name!r} is not a local folder: llama.cpp's "
+                          "converter reads one (download it, e.g. `hf download "
+                          f"{target.name} --local-dir DIR`, and set model.target=DIR).")
+    name = Path(target.name.removeprefix("embedded:")).name
+    out = cache_root() / "gguf" / f"{name}-{target.fingerprint[:12]}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log(f"[export] converting the target to GGUF {outtype}: {out}")
+        convert_to_gguf(Path(target.path), out, outtype, log=log)
+    return out
+
+
+def export_gguf(cfg: Config, k: int, draft_folder: Path | None = None, out: Path | None = None,
+                outtype: str = "f32", log=print) -> Export:
+    """The draft as GGUF for llama.cpp (`llama-server -m target.gguf -md draft.gguf`), converted
+    by llama.cpp's own converter from the vLLM export (EAGLE-3 heads: from the native layout,
+    with the target's folder for the vocabulary), the target beside it in the cache, both in
+    outtype. Writes <run>/export/<kind>-gguf/: draft-<outtype>.gguf, llamacpp.json (spec type,
+    k, both files), config.yaml, README.md."""
+    from serving.llamacpp import VERSION, check_same_vocabulary, convert_to_gguf
+
+    if outtype not in GGUF_TYPES:
+        raise ConfigError(f"--gguf-type {outtype!r}: choose one of {list(GGUF_TYPES)}.")
+    draft_folder = Path(draft_folder or cfg.run.output_path / "train" / "draft")
+    if read_config(draft_folder) is None:
+        raise ConfigError(f"{draft_folder} holds no trained draft (no config.json): run the train "
+                          "stage first, or pass --draft FOLDER.")
+    kind = kind_of(draft_folder)
+    if kind.llamacpp_spec_type is None:
+        raise ConfigError(f"--format gguf: llama.cpp {VERSION} does not serve {kind.description}"
+                          " (it serves independent drafts and EAGLE-3 heads); export it with "
+                          "--format vllm.")
+    out = Path(out or cfg.run.output_path / "export" / f"{kind.name}-gguf")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        hf = export_draft(cfg, k, draft_folder, tmp / "hf", "vllm")  # checks draft against k
+        target = target_gguf(cfg, outtype, log)
+        resolved = resolve_target(cfg.model)
+        draft = convert_to_gguf(hf.folder, tmp / f"draft-{outtype}.gguf", outtype,
+                                Path(resolved.path) if kind.name == "eagle3" else None, log=log)
+        check_same_vocabulary(target, draft)
+        shutil.copy(hf.folder / "README.md", tmp / "README.md")
+        shutil.rmtree(hf.folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    command = (f"llama-server -m {shlex.quote(str(target))} -md {out / draft.name} "
+               f"--spec-type {kind.llamacpp_spec_type} --spec-draft-n-max {k}")
+    (tmp / "llamacpp.json").write_text(json.dumps(
+        {"spec_type": kind.llamacpp_spec_type, "num_speculative_tokens": k,
+         "draft": draft.name, "target": str(target), "outtype": outtype,
+         "llama.cpp": VERSION, "command": command}, indent=2) + "\n")
+    cfg.save(tmp / "config.yaml")
+    with (tmp / "README.md").open("a") as card:
+        card.write(f"\n## llama.cpp\n\nThis folder holds the draft as GGUF ({outtype}), "
+                   f"converted by llama.cpp {VERSION}'s `convert_hf_to_gguf.py`:\n\n"
+                   f"```bash\n{command}\n```\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return Export(out, kind.llamacpp_spec_type, k, str(target), command)
 
 
 def _eval_of(cfg: Config, draft_folder: Path) -> dict | None:
@@ -198,15 +276,25 @@ def main(argv: list[str] | None = None) -> None:
                         help="speculative tokens per step (default: eval.k)")
     parser.add_argument("--draft", type=Path, help="draft folder (default <run>/train/draft)")
     parser.add_argument("--out", type=Path, help="export folder (default <run>/export/<kind>)")
-    parser.add_argument("--format", choices=["vllm", "speculators"], default="vllm",
-                        help="EAGLE-3 heads: vLLM's native layout or the speculators format")
+    parser.add_argument("--format", choices=["vllm", "speculators", "gguf"], default="vllm",
+                        help="vLLM's native layouts; EAGLE-3 heads also the speculators format; "
+                             "gguf: llama.cpp (independent drafts, EAGLE-3 heads), converted by "
+                             "llama.cpp's own converter")
+    parser.add_argument("--gguf-type", choices=GGUF_TYPES, default="f32",
+                        help="GGUF weight type of draft and target (default f32, what the "
+                             "llama.cpp validation compares with our fp32 engine)")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
+    k = args.k or cfg.eval.k
     try:
-        result = export_draft(cfg, args.k or cfg.eval.k, args.draft, args.out, args.format)
+        if args.format == "gguf":
+            result = export_gguf(cfg, k, args.draft, args.out, args.gguf_type)
+        else:
+            result = export_draft(cfg, k, args.draft, args.out, args.format)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    print(f"[export] {result.folder} (vLLM method {result.method}, k={result.num_speculative_tokens})")
+    engine = "llama.cpp --spec-type" if args.format == "gguf" else "vLLM method"
+    print(f"[export] {result.folder} ({engine} {result.method}, k={result.num_speculative_tokens})")
     print(f"[export] serve with:\n  {result.vllm_command}")
 
 

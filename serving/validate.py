@@ -15,11 +15,13 @@ not change them). Results go to <run>/validate/results.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,7 +35,7 @@ from assets.target import (
     vllm_cpu_environment,
 )
 from drafts import engine_draft, kind_of, load_draft
-from eval.speculative import load_eval_prompts, run_engine
+from eval.speculative import load_eval_prompts
 from recipe import Config, ConfigError, DecodeSettings, cache_root
 from serving.export import export_folder
 
@@ -41,53 +43,60 @@ from serving.export import export_folder
 @dataclass
 class Validation:
     method: str
+    """The engine's name for how it serves the draft: vLLM's method, llama.cpp's --spec-type."""
     k: int
     prompts: int
     tau_ours: float
-    tau_vllm: float
+    tau_engine: float
     alpha_ours: list[float]
-    alpha_vllm: list[float]
+    alpha_engine: list[float]
     relative_difference: float
     tolerance: float
-    identical_vllm_texts: int
-    """Prompts whose vLLM output with the draft equals vLLM's output without it."""
+    identical_engine_texts: int
+    """Prompts whose engine output with the draft equals the engine's output without it."""
     identical_to_our_engine: int
-    """Prompts whose vLLM output with the draft equals our engine's output."""
-    tokens_per_s_vllm: float
-    tokens_per_s_vllm_target: float
-    drafts_vllm: int = 0
-    """Speculative steps vLLM drafted for (its spec-decode 'num_drafts' counter)."""
+    """Prompts whose engine output with the draft equals our engine's output."""
+    tokens_per_s_engine: float
+    tokens_per_s_engine_target: float
+    drafts_engine: int = 0
+    """Speculative steps the engine drafted for (its 'num_drafts' counter)."""
+    target_run_reused: bool = False
+    """The engine's target-alone run came from the cache (an earlier validation on the same
+    prompts): its tokens/s were measured then."""
+    engine: str = "vLLM"
     failures: list[str] = field(default_factory=list)
-    """Why the export does not reproduce the trained draft in vLLM; empty: it does."""
+    """Why the export does not reproduce the trained draft in the engine; empty: it does."""
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
 
-def verdict(tau_ours: float, tau_vllm: float, alpha_ours: list[float], alpha_vllm: list[float],
-            drafts_vllm: int, identical_vllm_texts: int, prompts: int,
-            tolerance: float) -> list[str]:
-    """Every way vLLM's run with the export disagrees with our engine's run with the trained
-    draft (greedy, fp32, the same prompts and k) -> one message each; [] when none does."""
+def verdict(tau_ours: float, tau_engine: float, alpha_ours: list[float], alpha_engine: list[float],
+            drafts_engine: int, identical_engine_texts: int, prompts: int,
+            tolerance: float, engine: str = "vLLM") -> list[str]:
+    """Every way the engine's run with the export disagrees with our engine's run with the
+    trained draft (greedy, fp32, the same prompts and k) -> one message each; [] when none does."""
     failures = []
-    if drafts_vllm == 0:
-        failures.append("vLLM drafted nothing: it did not load the draft as a speculator "
-                        "(check the method in vllm_speculative_config.json).")
-    difference = abs(tau_vllm - tau_ours) / tau_ours
+    if drafts_engine == 0:
+        where = "--spec-type in llamacpp.json" if engine == "llama.cpp" else \
+            "the method in vllm_speculative_config.json"
+        failures.append(f"{engine} drafted nothing: it did not load the draft as a speculator "
+                        f"(check {where}).")
+    difference = abs(tau_engine - tau_ours) / tau_ours
     if difference > tolerance:
-        failures.append(f"vLLM's tau {tau_vllm:.3f} differs from ours {tau_ours:.3f} by "
+        failures.append(f"{engine}'s tau {tau_engine:.3f} differs from ours {tau_ours:.3f} by "
                         f"{100 * difference:.1f} % (tolerance {100 * tolerance:.1f} %).")
-    off = [f"alpha_{j + 1} {a:.3f} (vLLM) vs {b:.3f} (ours)"
-           for j, (a, b) in enumerate(zip(alpha_vllm, alpha_ours)) if abs(a - b) > tolerance]
-    if off or len(alpha_vllm) != len(alpha_ours):
+    off = [f"alpha_{j + 1} {a:.3f} ({engine}) vs {b:.3f} (ours)"
+           for j, (a, b) in enumerate(zip(alpha_engine, alpha_ours)) if abs(a - b) > tolerance]
+    if off or len(alpha_engine) != len(alpha_ours):
         failures.append(f"per-position acceptance differs by more than {tolerance}: "
-                        + ("; ".join(off) or f"{len(alpha_vllm)} positions in vLLM, "
+                        + ("; ".join(off) or f"{len(alpha_engine)} positions in {engine}, "
                            f"{len(alpha_ours)} in ours") + ".")
-    if identical_vllm_texts != prompts:
-        failures.append(f"vLLM's greedy texts with the draft differ from its texts without it "
-                        f"on {prompts - identical_vllm_texts} of {prompts} prompts: speculative "
-                        "decoding must not change them.")
+    if identical_engine_texts != prompts:
+        failures.append(f"{engine}'s greedy texts with the draft differ from its texts without "
+                        f"it on {prompts - identical_engine_texts} of {prompts} prompts: "
+                        "speculative decoding must not change them.")
     return failures
 
 
@@ -111,54 +120,295 @@ def run_vllm(request: dict, cache: Path) -> dict:
         return json.loads(result_path.read_text())
 
 
-def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
-             enforce_eager: bool = False) -> Validation:
-    folder = export_folder(cfg, folder)
-    speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
-    speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
-    k = speculative["num_speculative_tokens"]
-    kind_of(folder).check_exported(folder)
+def target_run(request: dict, cache: Path, run=run_vllm) -> tuple[dict, bool]:
+    """vLLM's run of the target alone on request's prompts -> (its result, whether it came from
+    the cache). The result depends only on the target's weights, the prompts and the decoding
+    settings, so it is computed once per vLLM version and reused by every later validation (of
+    another draft, or the same one re-exported): one vLLM engine start less each time. The key
+    holds each weight file's size and modification time, so a re-converted target misses."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        vllm_version = version("vllm-cpu")
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                     for f in Path(request["target"]).glob("*.safetensors"))
+    identity = {key: value for key, value in request.items() if key != "runs"}
+    key = hashlib.sha256(json.dumps([identity, weights, vllm_version]).encode()).hexdigest()
+    path = cache / "target-runs" / f"{key[:32]}.json"
+    if path.is_file():
+        return json.loads(path.read_text()), True
+    result = run({**request, "runs": {"target": None}}, cache)["target"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(result))
+    path.with_suffix(".tmp").replace(path)
+    return result, False
+
+
+@dataclass
+class OurRun:
+    """Our engine with the trained draft on the eval prompts (fp32, the export's k)."""
+
+    result: object  # eval.speculative.MethodResult
+    tokens: list[list[int]]
+    stats: list  # [prompts] decoding.engine.RequestStats
+    prompts: list[list[int]]
+    eos: set[int]
+    draft_name: str
+
+
+def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+            draft_temperature: float | None = None) -> OurRun:
+    """draft_temperature: sample the draft at another temperature than the target (a
+    deliberately wrong draft, to check that the sampling check catches it)."""
+    from dataclasses import replace
+
+    from eval.speculative import engine_runner, measure, method_result
+
     trained = cfg.run.output_path / "train" / "draft"
     if not (trained / "config.json").is_file():
-        raise ConfigError(f"{trained} holds no trained draft to compare vLLM with: run the train "
-                          "stage first.")
+        raise ConfigError(f"{trained} holds no trained draft to compare the engine with: run the "
+                          "train stage first.")
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
     device = torch.device("cpu")
-    target = load_target(resolved, "float32", device)  # fp32: bf16 greedy texts drift in vLLM
+    target = load_target(resolved, "float32", device)  # fp32: bf16 greedy texts drift
     prompts, _ = load_eval_prompts(cfg, tokenizer,
                                    getattr(target.config, "max_position_embeddings", None))
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     draft = load_draft(str(trained), target, tokenizer, torch.float32, device)
     settings = DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k,
-                              batch_size=cfg.eval.batch_size)
-    ours, our_tokens = run_engine("speculative", target, prompts, settings, eos, pad, tokenizer,
-                                  engine_draft(draft), cfg.run.seed)
-    vllm = run_vllm({"target": resolved.path, "dtype": "float32", "prompts": prompts,
-                     "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(eos),
-                     "runs": {"target": None, "speculative": speculative},
-                     "enforce_eager": enforce_eager}, cache_root() / "vllm")
-    spec, plain = vllm["speculative"], vllm["target"]
-    drafts = int(spec.get("drafts") or 0)
-    tau_vllm = 1 + spec.get("accepted", 0) / max(drafts, 1)  # 1.0 when vLLM drafted nothing
-    alpha_vllm = [a / max(drafts, 1) for a in spec.get("accepted_per_position") or []]
-    identical = sum(a == b for a, b in zip(spec["tokens"], plain["tokens"]))
-    result = Validation(
-        method=speculative["method"], k=k, prompts=len(prompts), tau_ours=ours.tau,
-        tau_vllm=tau_vllm, alpha_ours=ours.alpha, alpha_vllm=alpha_vllm,
-        relative_difference=abs(tau_vllm - ours.tau) / ours.tau, tolerance=tolerance,
-        identical_vllm_texts=identical,
-        identical_to_our_engine=sum(a == b for a, b in zip(spec["tokens"], our_tokens)),
-        tokens_per_s_vllm=sum(map(len, spec["tokens"])) / spec["seconds"],
-        tokens_per_s_vllm_target=sum(map(len, plain["tokens"])) / plain["seconds"],
-        drafts_vllm=drafts,
-        failures=verdict(ours.tau, tau_vllm, ours.alpha, alpha_vllm, drafts, identical,
-                         len(prompts), tolerance))
+                              batch_size=cfg.eval.batch_size, temperature=temperature,
+                              top_p=top_p, top_k=top_k)
+    engine = engine_draft(draft)
+    if draft_temperature is not None:
+        engine = _AtTemperature(engine, replace(settings, temperature=draft_temperature))
+    runner = engine_runner(target, settings, eos, pad, tokenizer, engine, cfg.run.seed)
+    m = measure({"speculative": runner}, [prompts], log=lambda *a, **kw: None)["speculative"]
+    return OurRun(method_result("speculative", m, tokenizer, settings, True), m.outputs,
+                  [s for run in m.runs for s in run.stats], prompts, eos, draft.name)
+
+
+class _AtTemperature:
+    """A draft that proposes at its own sampling settings, whatever the engine's: wrong on
+    purpose (rejection sampling keeps the output the target's; only acceptance drops)."""
+
+    def __init__(self, draft, sampling):
+        self._draft, self._sampling = draft, sampling
+
+    def __getattr__(self, name):
+        return getattr(self._draft, name)
+
+    def propose(self, k, sampling, history, generator=None):
+        return self._draft.propose(k, self._sampling, history, generator)
+
+
+def tau_interval(drafts: int, accepted_per_position: list[int], design_effect: float = 1.0,
+                 z: float = 1.96) -> tuple[float, float]:
+    """95 % interval of tau = 1 + E[X] from an engine's counters, X the tokens accepted in one
+    drafting step: P(X >= j) = accepted_per_position[j-1] / drafts, so E[X] = sum_j c_j / N and
+    E[X^2] = sum_j (2j - 1) c_j / N. Steps of one request are correlated: the variance is scaled
+    by design_effect (>= 1, measured on our engine's requests, see design_effect)."""
+    n = max(drafts, 1)
+    mean = sum(accepted_per_position) / n
+    second = sum((2 * j + 1) * c for j, c in enumerate(accepted_per_position)) / n
+    half = z * (max(second - mean * mean, 0.0) * design_effect / n) ** 0.5
+    return 1 + mean - half, 1 + mean + half
+
+
+def alpha_intervals(drafts: int, accepted_per_position: list[int], design_effect: float = 1.0,
+                    z: float = 1.96) -> list[tuple[float, float]]:
+    """95 % interval of each alpha_j = c_j / N (a proportion of drafting steps)."""
+    n = max(drafts, 1)
+    out = []
+    for c in accepted_per_position:
+        a = c / n
+        half = z * (a * (1 - a) * design_effect / n) ** 0.5
+        out.append((a - half, a + half))
+    return out
+
+
+def design_effect(stats: list) -> float:
+    """How much the per-request clustering of drafting steps inflates the variance of the
+    pooled accepted-per-step mean: the cluster-robust (per-request) variance of the ratio
+    sum(accepted) / sum(steps) over the variance that independent steps would give; >= 1."""
+    rows = [(s.accepted, s.steps) for s in stats if s.steps]
+    steps = sum(n for _, n in rows)
+    if len(rows) < 2 or steps == 0:
+        return 1.0
+    mean = sum(a for a, _ in rows) / steps
+    cluster = len(rows) / (len(rows) - 1) * sum((a - mean * n) ** 2 for a, n in rows) / steps ** 2
+    per_position = [sum(s.accepted_per_position[j] for s in stats if s.steps)
+                    for j in range(max(len(s.accepted_per_position) for s in stats))]
+    low, high = tau_interval(steps, per_position, 1.0, 1.0)
+    independent = ((high - low) / 2) ** 2
+    return max(1.0, cluster / independent) if independent > 0 else 1.0
+
+
+def sampling_verdict(ours: tuple, engine: tuple, alpha_ours: list, alpha_engine: list,
+                     drafts_engine: int, engine_name: str = "vLLM") -> list[str]:
+    """At T > 0 a real mismatch shows as intervals that do not overlap: one message each."""
+    failures = []
+    if drafts_engine == 0:
+        failures.append(f"{engine_name} drafted nothing: it did not load the draft as a "
+                        "speculator.")
+
+    def apart(a, b):
+        return a[1] < b[0] or b[1] < a[0]
+
+    if apart(ours, engine):
+        failures.append(f"tau: our 95 % interval [{ours[0]:.3f}, {ours[1]:.3f}] and "
+                        f"{engine_name}'s [{engine[0]:.3f}, {engine[1]:.3f}] do not overlap.")
+    for j, (a, b) in enumerate(zip(alpha_ours, alpha_engine)):
+        if apart(a, b):
+            failures.append(f"alpha_{j + 1}: our 95 % interval [{a[0]:.3f}, {a[1]:.3f}] and "
+                            f"{engine_name}'s [{b[0]:.3f}, {b[1]:.3f}] do not overlap.")
+    if len(alpha_ours) != len(alpha_engine):
+        failures.append(f"{len(alpha_engine)} positions in {engine_name}, {len(alpha_ours)} in "
+                        "ours.")
+    return failures
+
+
+def _summed(stats: list) -> tuple[int, list[int]]:
+    """Our engine's counters in an engine's terms: (drafting steps, accepted per position)."""
+    width = max(len(s.accepted_per_position) for s in stats)
+    return (sum(s.steps for s in stats),
+            [sum(s.accepted_per_position[j] for s in stats if j < len(s.accepted_per_position))
+             for j in range(width)])
+
+
+def _strip(tokens: list[int], stops: set[int]) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in stops else tokens
+
+
+def _finish(cfg: Config, result: Validation, ours: OurRun, folder: Path, extra: dict) -> Validation:
     out = cfg.run.output_path / "validate"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(
-        {**asdict(result), "ok": result.ok, "draft": draft.name, "export": str(folder)}, indent=2))
+    name = "results.json" if result.engine == "vLLM" else "results-llamacpp.json"
+    (out / name).write_text(json.dumps(
+        {**asdict(result), "ok": result.ok, "draft": ours.draft_name, "export": str(folder),
+         **extra}, indent=2))
     return result
+
+
+def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
+             enforce_eager: bool = False, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, draft_temperature: float | None = None) -> Validation:
+    """vLLM against our engine. Greedy (temperature 0): tau within tolerance, alpha_k within
+    tolerance, vLLM's texts unchanged by the draft. Sampled: the 95 % intervals of tau and
+    each alpha_k overlap (each engine's counters; per-request correlation from ours)."""
+    folder = export_folder(cfg, folder)
+    speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
+    speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
+    k = speculative["num_speculative_tokens"]
+    kind_of(folder).check_exported(folder)
+    ours = our_run(cfg, k, temperature, top_p, top_k, draft_temperature)
+    resolved = resolve_target(cfg.model)
+    request = {"target": resolved.path, "dtype": "float32", "prompts": ours.prompts,
+               "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(ours.eos),
+               "enforce_eager": enforce_eager}
+    if temperature > 0:
+        request.update(temperature=temperature, top_p=top_p, top_k=top_k, seed=cfg.run.seed)
+        plain, reused = None, False  # sampled texts are not comparable one by one
+    else:
+        plain, reused = target_run(request, cache_root() / "vllm")
+    spec = run_vllm({**request, "runs": {"speculative": speculative}},
+                    cache_root() / "vllm")["speculative"]
+    drafts = int(spec.get("drafts") or 0)
+    per_position = [int(a) for a in spec.get("accepted_per_position") or []]
+    tau_engine = 1 + spec.get("accepted", 0) / max(drafts, 1)  # 1.0 when vLLM drafted nothing
+    alpha_engine = [a / max(drafts, 1) for a in per_position]
+    identical = (sum(a == b for a, b in zip(spec["tokens"], plain["tokens"]))
+                 if plain else len(ours.prompts))
+    extra = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if temperature > 0:
+        effect = design_effect(ours.stats)
+        our_steps, our_positions = _summed(ours.stats)
+        intervals = {"ours": tau_interval(our_steps, our_positions, effect),
+                     "engine": tau_interval(drafts, per_position, effect),
+                     "alpha_ours": alpha_intervals(our_steps, our_positions, effect),
+                     "alpha_engine": alpha_intervals(drafts, per_position, effect)}
+        failures = sampling_verdict(intervals["ours"], intervals["engine"],
+                                    intervals["alpha_ours"], intervals["alpha_engine"], drafts)
+        extra.update(intervals=intervals, design_effect=effect, steps_ours=our_steps,
+                     draft_temperature_ours=draft_temperature)
+    else:
+        failures = verdict(ours.result.tau, tau_engine, ours.result.alpha, alpha_engine, drafts,
+                           identical, len(ours.prompts), tolerance)
+    result = Validation(
+        method=speculative["method"], k=k, prompts=len(ours.prompts), tau_ours=ours.result.tau,
+        tau_engine=tau_engine, alpha_ours=ours.result.alpha, alpha_engine=alpha_engine,
+        relative_difference=abs(tau_engine - ours.result.tau) / ours.result.tau,
+        tolerance=tolerance, identical_engine_texts=identical,
+        identical_to_our_engine=sum(a == b for a, b in zip(spec["tokens"], ours.tokens)),
+        tokens_per_s_engine=sum(map(len, spec["tokens"])) / spec["seconds"],
+        tokens_per_s_engine_target=(sum(map(len, plain["tokens"])) / plain["seconds"]
+                                    if plain else 0.0),
+        drafts_engine=drafts, target_run_reused=reused, failures=failures)
+    return _finish(cfg, result, ours, folder, extra)
+
+
+def gguf_export_folder(cfg: Config, folder: Path | None = None) -> Path:
+    """The GGUF export to validate: the one given, else the single <run>/export/*-gguf/."""
+    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
+    candidates = [c for c in candidates if (c / "llamacpp.json").is_file()]
+    if len(candidates) != 1:
+        raise ConfigError(f"expected one GGUF export, found {len(candidates)} in "
+                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export "
+                          "--format gguf` first, or pass --folder.")
+    return candidates[0]
+
+
+def validate_llamacpp(cfg: Config, folder: Path | None = None,
+                      tolerance: float = 0.05) -> Validation:
+    """llama.cpp's llama-server against our engine, greedy, on the GGUF export (f32): the target
+    alone, then with the draft (--spec-type from the export, a fixed k: p-min 0, n-min 0), one
+    request per eval prompt given as token ids. Counts from llama-server's /metrics
+    (serving.llamacpp.spec_counters); the same verdict as vLLM's."""
+    from serving.llamacpp import LlamaServer, check_same_vocabulary, ensure_llamacpp
+
+    folder = gguf_export_folder(cfg, folder)
+    spec = json.loads((folder / "llamacpp.json").read_text())
+    if spec["outtype"] != "f32":
+        raise ConfigError(f"{folder} holds {spec['outtype']} weights: the comparison with our "
+                          "fp32 engine needs f32 (serving.export --format gguf --gguf-type f32).")
+    target, draft = Path(spec["target"]), folder / spec["draft"]
+    for path in (target, draft):
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: export again (serving.export --format gguf).")
+    check_same_vocabulary(target, draft)
+    k = spec["num_speculative_tokens"]
+    llama = ensure_llamacpp()
+    ours = our_run(cfg, k)
+    n = cfg.eval.max_new_tokens
+    timings = {}
+    runs = {}
+    for name, server in (("target", LlamaServer(llama, target)),
+                         ("speculative", LlamaServer(llama, target, draft, spec["spec_type"], k))):
+        with server:
+            start = time.perf_counter()
+            runs[name] = [server.complete(p, n) for p in ours.prompts]
+            timings[name] = time.perf_counter() - start
+            counters = server.counters()
+    drafts, per_position = counters["drafts"], counters["accepted_per_position"][:k]
+    tau_engine = 1 + counters["accepted"] / max(drafts, 1)
+    alpha_engine = [a / max(drafts, 1) for a in per_position]
+    identical = sum(a == b for a, b in zip(runs["speculative"], runs["target"]))
+    to_ours = sum(_strip(a, ours.eos) == _strip(b, ours.eos)
+                  for a, b in zip(runs["speculative"], ours.tokens))
+    result = Validation(
+        method=spec["spec_type"], k=k, prompts=len(ours.prompts), tau_ours=ours.result.tau,
+        tau_engine=tau_engine, alpha_ours=ours.result.alpha, alpha_engine=alpha_engine,
+        relative_difference=abs(tau_engine - ours.result.tau) / ours.result.tau,
+        tolerance=tolerance, identical_engine_texts=identical, identical_to_our_engine=to_ours,
+        tokens_per_s_engine=sum(map(len, runs["speculative"])) / timings["speculative"],
+        tokens_per_s_engine_target=sum(map(len, runs["target"])) / timings["target"],
+        drafts_engine=drafts, engine="llama.cpp",
+        failures=verdict(ours.result.tau, tau_engine, ours.result.alpha, alpha_engine, drafts,
+                         identical, len(ours.prompts), tolerance, "llama.cpp"))
+    return _finish(cfg, result, ours, folder, {"llama_cpp_counters": counters,
+                                               "llama_cpp_build_seconds": llama.build_seconds})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,32 +417,63 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--folder", type=Path, help="export folder (default <run>/export/*)")
+    parser.add_argument("--engine", choices=["vllm", "llamacpp"], default="vllm")
+    parser.add_argument("--folder", type=Path, help="export folder (default <run>/export/*; "
+                        "llamacpp: the *-gguf one)")
     parser.add_argument("--tolerance", type=float, default=0.05,
-                        help="largest relative tau difference, and largest absolute alpha_k "
-                             "difference, accepted (default 0.05)")
+                        help="greedy: largest relative tau difference, and largest absolute "
+                             "alpha_k difference, accepted (default 0.05)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="vLLM: > 0 compares sampled runs by 95 %% intervals (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--our-draft-temperature", type=float, default=None,
+                        help="sample our engine's draft at this temperature instead (a wrong "
+                             "draft on purpose: shows what the check catches)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
     args, overrides = parser.parse_known_args(argv)
     try:
-        r = validate(load_config(args.config, overrides), args.folder, args.tolerance,
-                     args.enforce_eager)
+        cfg = load_config(args.config, overrides)
+        if args.engine == "llamacpp":
+            if args.temperature > 0:
+                raise ConfigError("--engine llamacpp compares greedy runs only: drop "
+                                  "--temperature (the sampled check runs in vLLM).")
+            r = validate_llamacpp(cfg, args.folder, args.tolerance)
+        else:
+            r = validate(cfg, args.folder, args.tolerance, args.enforce_eager, args.temperature,
+                         args.top_p, args.top_k, args.our_draft_temperature)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"| | tau | alpha_1..{r.k} |\n|---|---|---|\n"
           f"| our engine | {r.tau_ours:.3f} | {' '.join(f'{a:.3f}' for a in r.alpha_ours)} |\n"
-          f"| vLLM ({r.method}) | {r.tau_vllm:.3f} | "
-          f"{' '.join(f'{a:.3f}' for a in r.alpha_vllm)} |")
-    print(f"vLLM texts with the draft identical to without: {r.identical_vllm_texts}/{r.prompts}"
-          f"; to our engine's: {r.identical_to_our_engine}/{r.prompts}; vLLM tokens/s "
-          f"{r.tokens_per_s_vllm:.1f} with the draft, {r.tokens_per_s_vllm_target:.1f} without")
+          f"| {r.engine} ({r.method}) | {r.tau_engine:.3f} | "
+          f"{' '.join(f'{a:.3f}' for a in r.alpha_engine)} |")
+    if args.temperature > 0:
+        report = json.loads((cfg.run.output_path / "validate" / "results.json").read_text())
+        lo, hi = report["intervals"]["ours"]
+        elo, ehi = report["intervals"]["engine"]
+        print(f"T={args.temperature}: tau 95 % intervals: ours [{lo:.3f}, {hi:.3f}] over "
+              f"{report['steps_ours']} steps, vLLM [{elo:.3f}, {ehi:.3f}] over {r.drafts_engine}"
+              f" (design effect {report['design_effect']:.2f})")
+    else:
+        print(f"{r.engine} texts with the draft identical to without: "
+              f"{r.identical_engine_texts}/{r.prompts}; to our engine's: "
+              f"{r.identical_to_our_engine}/{r.prompts}; {r.engine} tokens/s "
+              f"{r.tokens_per_s_engine:.1f} with the draft, {r.tokens_per_s_engine_target:.1f} "
+              "without" + (" (the target-alone run reused from an earlier validation)"
+                           if r.target_run_reused else ""))
     if not r.ok:
-        print("FAILED: the exported folder or its method does not reproduce the trained draft "
-              "in vLLM:\n  " + "\n  ".join(r.failures), file=sys.stderr)
+        print(f"FAILED: the exported folder or its method does not reproduce the trained draft "
+              f"in {r.engine}:\n  " + "\n  ".join(r.failures), file=sys.stderr)
         return 1
-    print(f"OK: tau within {100 * r.relative_difference:.2f} % and every alpha_k within "
-          f"{r.tolerance} of ours, vLLM's texts unchanged by the draft")
+    if args.temperature > 0:
+        print(f"OK: tau and every alpha_k agree within their 95 % intervals at T="
+              f"{args.temperature}")
+    else:
+        print(f"OK: tau within {100 * r.relative_difference:.2f} % and every alpha_k within "
+              f"{r.tolerance} of ours, {r.engine}'s texts unchanged by the draft")
     return 0
 
 

@@ -3,7 +3,8 @@
     python -m serving.vllm_run REQUEST.json RESULT.json
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
-"stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool}.
+"stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
+optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i)}.
 Each run starts one vLLM engine (all prompts batched), then frees it. vLLM starts its workers
 with spawn, so this module runs as __main__ (serving/validate.py calls it as a subprocess).
 RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "accepted",
@@ -25,8 +26,15 @@ COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
 def run(request: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
-                            stop_token_ids=request["stop_token_ids"])
+    temperature = request.get("temperature", 0.0)
+    sampling = {}
+    if temperature > 0:  # one seed per prompt: reproducible, independent of batching
+        sampling = {"top_p": request.get("top_p", 1.0), "top_k": request.get("top_k") or -1}
+    params = [SamplingParams(temperature=temperature, max_tokens=request["max_new_tokens"],
+                             stop_token_ids=request["stop_token_ids"],
+                             seed=request.get("seed", 0) + i if temperature > 0 else None,
+                             **sampling)
+              for i in range(len(request["prompts"]))]
     prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
     results = {}
     for name, speculative in request["runs"].items():

@@ -17,6 +17,11 @@ def temporary_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("draftsmith-cache")
     before = os.environ.get("DRAFTSMITH_CACHE")
     os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    # llama.cpp's build (~4 min on 2 cores) is a tool, not user data: built once per machine
+    # for the tests, in a folder of their own (serving/llamacpp.py; $DRAFTSMITH_LLAMACPP wins)
+    if "DRAFTSMITH_LLAMACPP" not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        os.environ["DRAFTSMITH_LLAMACPP"] = str(Path(base) / "draftsmith-tests" / "llamacpp")
     yield cache
     if before is None:
         os.environ.pop("DRAFTSMITH_CACHE", None)

@@ -46,6 +46,7 @@ class DFlash:
     vllm_options: dict = {}  # the method implies parallel drafting
     formats = ("vllm",)
     hf_assistant = False
+    llamacpp_spec_type = None  # llama.cpp 11434 has draft-dflash for Qwen lineages only
 
     def claims(self, spec: str) -> bool:
         return spec == "dflash" or spec.startswith("dflash:")

@@ -39,6 +39,7 @@ class Eagle3:
     vllm_options: dict = {}
     formats = ("vllm", "speculators")
     hf_assistant = False
+    llamacpp_spec_type = "draft-eagle3"
 
     def claims(self, spec: str) -> bool:
         return spec.startswith("eagle")

@@ -56,7 +56,8 @@ def test_real_target_reply_is_masked_as_the_template_says(target, tmp_path):
                                   {"role": "assistant", "content": "ignored"},
                                   {"role": "user", "content": "Now in French."}]}])
     cfg = load_config(None, [f"data.sources=[{prompts}]", f"run.output_dir={tmp_path / 'out'}",
-                             "data.held_out_fraction=0.0", "generation.max_new_tokens=40"])
+                             "data.held_out_fraction=0.0", "generation.max_new_tokens=40",
+                             "generation.backend=hf"])  # vLLM's rows: test_vllm_backend.py
     run_distill(cfg, Accelerator(cpu=True))
     row = load_distilled(tmp_path / "out")["train"][0]
     messages = json.loads(row["messages"])

@@ -7,23 +7,103 @@ import pytest
 
 from serving.validate import verdict
 
-GOOD = dict(tau_ours=1.5, tau_vllm=1.5, alpha_ours=[0.4, 0.1], alpha_vllm=[0.4, 0.1],
-            drafts_vllm=100, identical_vllm_texts=10, prompts=10, tolerance=0.05)
+GOOD = dict(tau_ours=1.5, tau_engine=1.5, alpha_ours=[0.4, 0.1], alpha_engine=[0.4, 0.1],
+            drafts_engine=100, identical_engine_texts=10, prompts=10, tolerance=0.05)
 
 
 def test_an_export_that_agrees_passes():
     assert verdict(**GOOD) == []
-    assert verdict(**{**GOOD, "tau_vllm": 1.5 * 1.049, "alpha_vllm": [0.449, 0.051]}) == []
+    assert verdict(**{**GOOD, "tau_engine": 1.5 * 1.049, "alpha_engine": [0.449, 0.051]}) == []
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"drafts_vllm": 0, "tau_vllm": 1.0, "alpha_vllm": [0.0, 0.0]}, "vLLM drafted nothing"),
-    ({"drafts_vllm": 0}, "vLLM drafted nothing"),
-    ({"tau_vllm": 1.6}, r"tau 1.600 differs from ours 1.500 by 6.7 %"),
-    ({"alpha_vllm": [0.4, 0.2]}, r"alpha_2 0.200 \(vLLM\) vs 0.100 \(ours\)"),
-    ({"alpha_vllm": [0.4]}, "1 positions in vLLM, 2 in ours"),
-    ({"identical_vllm_texts": 9}, "differ from its texts without it on 1 of 10 prompts"),
+    ({"drafts_engine": 0, "tau_engine": 1.0, "alpha_engine": [0.0, 0.0]}, "vLLM drafted nothing"),
+    ({"drafts_engine": 0}, "vLLM drafted nothing"),
+    ({"tau_engine": 1.6}, r"tau 1.600 differs from ours 1.500 by 6.7 %"),
+    ({"alpha_engine": [0.4, 0.2]}, r"alpha_2 0.200 \(vLLM\) vs 0.100 \(ours\)"),
+    ({"alpha_engine": [0.4]}, "1 positions in vLLM, 2 in ours"),
+    ({"identical_engine_texts": 9}, "differ from its texts without it on 1 of 10 prompts"),
 ])
 def test_each_disagreement_fails_and_says_which(change, message):
     failures = verdict(**{**GOOD, **change})
     assert failures and any(re.search(message, f) for f in failures), failures
+
+
+def test_the_target_alone_run_is_reused_only_for_the_same_target_prompts_and_settings(tmp_path):
+    from serving.validate import target_run
+
+    calls = []
+
+    def fake_vllm(request, cache):  # what serving.vllm_run returns, counting engine starts
+        assert list(request["runs"]) == ["target"] and request["runs"]["target"] is None
+        calls.append(request)
+        return {"target": {"tokens": [[len(calls)]], "seconds": 1.0}}
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"weights")
+    request = {"target": str(target), "dtype": "float32", "prompts": [[1, 2]],
+               "max_new_tokens": 8, "stop_token_ids": [2], "enforce_eager": True}
+    first, reused = target_run(request, tmp_path / "cache", fake_vllm)
+    assert not reused and first["tokens"] == [[1]]
+    again, reused = target_run({**request, "runs": {"speculative": {}}}, tmp_path / "cache",
+                               fake_vllm)
+    assert reused and again == first and len(calls) == 1
+    for change in ({"prompts": [[1, 3]]}, {"max_new_tokens": 9}, {"dtype": "bfloat16"}):
+        _, reused = target_run({**request, **change}, tmp_path / "cache", fake_vllm)
+        assert not reused
+    (target / "model.safetensors").write_bytes(b"other weights")  # a re-converted target
+    _, reused = target_run(request, tmp_path / "cache", fake_vllm)
+    assert not reused and len(calls) == 5
+
+
+def _steps_to_counters(steps: list[int], k: int) -> list[int]:
+    """Accepted tokens per drafting step -> an engine's accepted-per-position counters."""
+    return [sum(x > j for x in steps) for j in range(k)]
+
+
+def test_the_tau_interval_covers_the_true_tau_95_percent_of_the_time():
+    import random
+
+    from serving.validate import tau_interval
+
+    rng = random.Random(0)
+    probabilities = [0.3, 0.3, 0.2, 0.1, 0.1]  # X = 0..4 accepted, k = 4
+    true_tau = 1 + sum(x * p for x, p in enumerate(probabilities))
+    covered = 0
+    for _ in range(1000):
+        steps = rng.choices(range(5), probabilities, k=300)
+        low, high = tau_interval(300, _steps_to_counters(steps, 4))
+        covered += low <= true_tau <= high
+    assert 0.93 <= covered / 1000 <= 0.97, covered
+
+
+def test_the_design_effect_is_one_for_independent_steps_and_large_for_clustered_ones():
+    import random
+
+    from decoding.engine import RequestStats
+    from serving.validate import design_effect
+
+    rng = random.Random(1)
+
+    def request(steps):
+        return RequestStats(steps=len(steps), accepted=sum(steps),
+                            accepted_per_position=_steps_to_counters(steps, 3))
+
+    independent = [design_effect([request(rng.choices(range(4), k=50)) for _ in range(20)])
+                   for _ in range(50)]
+    assert 0.9 <= sum(independent) / len(independent) <= 1.6  # >= 1 by construction
+    # each request either accepts everything or nothing: its steps move together
+    clustered = [request([3] * 50 if rng.random() < 0.5 else [0] * 50) for _ in range(20)]
+    assert design_effect(clustered) > 10
+
+
+def test_the_sampling_verdict_fails_only_when_intervals_are_apart():
+    from serving.validate import sampling_verdict
+
+    alpha = [(0.4, 0.5), (0.2, 0.3)]
+    assert sampling_verdict((1.5, 1.7), (1.6, 1.8), alpha, alpha, drafts_engine=100) == []
+    failures = sampling_verdict((1.5, 1.6), (1.7, 1.8), alpha, [(0.4, 0.5), (0.35, 0.4)], 100)
+    assert any(f.startswith("tau: our 95 % interval [1.500, 1.600]") for f in failures)
+    assert any(f.startswith("alpha_2") for f in failures) and len(failures) == 2
+    assert "drafted nothing" in sampling_verdict((1, 1), (1, 1), [], [], 0)[0]

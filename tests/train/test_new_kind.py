@@ -69,6 +69,7 @@ class UnigramDraft:
 class UnigramKind:
     name, description, vllm_method, formats = "unigram", "a unigram toy", None, ()
     hf_assistant = False
+    llamacpp_spec_type = None
 
     def claims(self, spec):
         return spec == "unigram"

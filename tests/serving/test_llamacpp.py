@@ -1,0 +1,88 @@
+"""llama.cpp's build, conversion checks and counters, without building it: a machine without
+the tools is told what to install, a failed build leaves nothing behind, a GGUF draft with
+another vocabulary is refused, and llama-server's counters map to tau and alpha_k."""
+
+import os
+import stat
+
+import pytest
+
+from recipe import ConfigError
+from serving import llamacpp
+
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 210
+llamacpp:spec_decode_num_draft_tokens_total 120
+llamacpp:spec_decode_num_accepted_tokens_total 50
+llamacpp:spec_decode_num_drafts_total 40
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 25
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 15
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 10
+"""
+
+
+def test_llama_servers_counters_are_read_as_drafts_accepted_and_per_position():
+    counters = llamacpp.spec_counters(METRICS)
+    assert counters == {"drafts": 40, "draft_tokens": 120, "accepted": 50,
+                        "accepted_per_position": [25, 15, 10]}
+    assert sum(counters["accepted_per_position"]) == counters["accepted"]  # as tau needs
+    assert llamacpp.spec_counters("llamacpp:prompt_tokens_total 3\n")["drafts"] == 0
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_LLAMACPP", str(tmp_path / "llamacpp"))
+    return tmp_path / "llamacpp" / llamacpp.VERSION
+
+
+def test_a_machine_without_cmake_is_told_what_to_install_and_nothing_is_made(root, monkeypatch):
+    real = llamacpp.shutil.which
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None if name == "cmake"
+                        else real(name))
+    with pytest.raises(ConfigError, match=r"lacks cmake: install them .*Nothing was built"):
+        llamacpp.ensure_llamacpp(log=lambda *a: None)
+    assert not root.exists()
+
+
+def test_a_failed_build_leaves_no_build_behind_and_says_where_the_log_is(root, tmp_path,
+                                                                          monkeypatch):
+    (root / "llama.cpp").mkdir(parents=True)
+    (root / "llama.cpp" / "convert_hf_to_gguf.py").write_text("")  # sources already there
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cmake = bin_dir / "cmake"  # configures (writes into the build folder), then fails
+    cmake.write_text("#!/bin/sh\nmkdir -p \"$4\" && touch \"$4/CMakeCache.txt\"\n"
+                     "echo 'error: no compiler works' >&2\nexit 3\n")
+    cmake.chmod(cmake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError, match=r"(?s)building llama.cpp failed .*exit 3.*no compiler"
+                                           r" works"):
+        llamacpp.ensure_llamacpp(log=lambda *a: None)
+    assert not (root / "build").exists() and (root / "build.log").is_file()
+
+
+def _gguf(path, tokens, model="gpt2"):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_token_list(tokens)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_draft_with_another_vocabulary_is_refused(tmp_path):
+    target = _gguf(tmp_path / "target.gguf", ["<s>", "a", "b", "c"])
+    llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "same.gguf", ["<s>", "a", "b", "c"]))
+    with pytest.raises(ConfigError, match=r"at token 2 \('x' vs the target's 'b'\)"):
+        llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "d.gguf", ["<s>", "a", "x", "c"]))
+    with pytest.raises(ConfigError, match=r"\(gpt2, 3 tokens\) differs from the target's "
+                                          r"\(gpt2, 4 tokens\)"):
+        llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "e.gguf", ["<s>", "a", "b"]))
+    # an EAGLE-3 head's GGUF carries no vocabulary of its own: it borrows the target's
+    llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "head.gguf", [], model=""))
