@@ -19,6 +19,7 @@ all of them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -133,7 +134,8 @@ def target_gguf(cfg: Config, outtype: str = "f32", log=print) -> Path:
                           "converter reads one (download it, e.g. `hf download "
                           f"{target.name} --local-dir DIR`, and set model.target=DIR).")
     name = Path(target.name.removeprefix("embedded:")).name
-    out = cache_root() / "gguf" / f"{name}-{target.fingerprint[:12]}-{outtype}.gguf"
+    identity = hashlib.sha256(target.fingerprint.encode()).hexdigest()[:12]
+    out = cache_root() / "gguf" / f"{name}-{identity}-{outtype}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         log(f"[export] converting the target to GGUF {outtype}: {out}")

@@ -29,32 +29,39 @@ def test_each_disagreement_fails_and_says_which(change, message):
     assert failures and any(re.search(message, f) for f in failures), failures
 
 
-def test_the_target_alone_run_is_reused_only_for_the_same_target_prompts_and_settings(tmp_path):
-    from serving.validate import target_run
+def test_an_engine_run_is_reused_only_for_the_same_weights_prompts_and_settings(tmp_path):
+    from serving.validate import cached_run
 
     calls = []
 
     def fake_vllm(request, cache):  # what serving.vllm_run returns, counting engine starts
-        assert list(request["runs"]) == ["target"] and request["runs"]["target"] is None
         calls.append(request)
-        return {"target": {"tokens": [[len(calls)]], "seconds": 1.0}}
+        return {"run": {"tokens": [[len(calls)]], "seconds": 1.0}}
 
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "model.safetensors").write_bytes(b"weights")
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for folder in (target, draft):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
     request = {"target": str(target), "dtype": "float32", "prompts": [[1, 2]],
                "max_new_tokens": 8, "stop_token_ids": [2], "enforce_eager": True}
-    first, reused = target_run(request, tmp_path / "cache", fake_vllm)
-    assert not reused and first["tokens"] == [[1]]
-    again, reused = target_run({**request, "runs": {"speculative": {}}}, tmp_path / "cache",
-                               fake_vllm)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    first, reused = cached_run(request, None, tmp_path / "cache", fake_vllm)
+    assert not reused and first["tokens"] == [[1]] and calls[0]["runs"] == {"run": None}
+    again, reused = cached_run(request, None, tmp_path / "cache", fake_vllm)
     assert reused and again == first and len(calls) == 1
-    for change in ({"prompts": [[1, 3]]}, {"max_new_tokens": 9}, {"dtype": "bfloat16"}):
-        _, reused = target_run({**request, **change}, tmp_path / "cache", fake_vllm)
+    _, reused = cached_run(request, speculative, tmp_path / "cache", fake_vllm)
+    assert not reused and calls[1]["runs"] == {"run": speculative}
+    for change in ({"prompts": [[1, 3]]}, {"max_new_tokens": 9}, {"temperature": 0.7}):
+        _, reused = cached_run({**request, **change}, None, tmp_path / "cache", fake_vllm)
         assert not reused
-    (target / "model.safetensors").write_bytes(b"other weights")  # a re-converted target
-    _, reused = target_run(request, tmp_path / "cache", fake_vllm)
-    assert not reused and len(calls) == 5
+    _, reused = cached_run(request, {**speculative, "num_speculative_tokens": 4},
+                           tmp_path / "cache", fake_vllm)
+    assert not reused
+    (draft / "model.safetensors").write_bytes(b"retrained")  # the draft's weights changed
+    _, reused = cached_run(request, speculative, tmp_path / "cache", fake_vllm)
+    assert not reused
+    _, reused = cached_run(request, None, tmp_path / "cache", fake_vllm)
+    assert reused and len(calls) == 7
 
 
 def _steps_to_counters(steps: list[int], k: int) -> list[int]:
@@ -107,3 +114,11 @@ def test_the_sampling_verdict_fails_only_when_intervals_are_apart():
     assert any(f.startswith("tau: our 95 % interval [1.500, 1.600]") for f in failures)
     assert any(f.startswith("alpha_2") for f in failures) and len(failures) == 2
     assert "drafted nothing" in sampling_verdict((1, 1), (1, 1), [], [], 0)[0]
+
+
+def test_the_first_divergence_of_two_texts():
+    from serving.validate import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped, the other went on

@@ -1,5 +1,6 @@
-"""Integration tier, in real vLLM: an exported draft of each kind reproduces our engine's
-acceptance inside vLLM, and a corrupted export makes the validation command exit 1."""
+"""Integration tier, in real vLLM and real llama.cpp: an exported draft of each kind reproduces
+our engine's acceptance inside vLLM (greedy, and sampled within 95 % intervals) and inside
+llama.cpp's llama-server (GGUF), and a corrupted export makes the validation command exit 1."""
 
 import json
 import shutil
@@ -16,11 +17,12 @@ pytestmark = pytest.mark.integration
 SETTINGS = ["eval.num_prompts=2", "eval.max_new_tokens=24"]
 
 
-def _cli(recipe: str, cfg, folder) -> tuple[int, dict]:
+def _cli(recipe: str, cfg, folder, *extra, settings=SETTINGS,
+         results="results.json") -> tuple[int, dict]:
     """serving.validate's command on an export folder -> (exit code, results.json)."""
-    code = main(["--config", recipe, f"run.output_dir={cfg.run.output_path}", *SETTINGS,
-                 "--folder", str(folder), "--enforce-eager"])
-    return code, json.loads((cfg.run.output_path / "validate" / "results.json").read_text())
+    code = main(["--config", recipe, f"run.output_dir={cfg.run.output_path}", *settings,
+                 "--folder", str(folder), "--enforce-eager", *extra])
+    return code, json.loads((cfg.run.output_path / "validate" / results).read_text())
 
 
 def _corrupt(folder, tmp_path, change) -> object:
@@ -83,6 +85,25 @@ def run(tmp_path_factory, smollm2_tokenizer):
     cfg = load_config("configs/smollm2-135m-independent.yaml", [f"run.output_dir={out}",
                                                                 *SETTINGS])
     return cfg, export_draft(cfg, k=3)
+
+
+# sampled runs: enough drafting steps (~150 per engine at k=3) that a wrong draft temperature
+# moves tau outside the intervals, few enough for the suite
+SAMPLED = ["eval.num_prompts=6", "eval.max_new_tokens=64"]
+
+
+def test_vllm_agrees_when_sampling_and_a_wrong_draft_temperature_is_caught(run):
+    cfg, exported = run
+    recipe = "configs/smollm2-135m-independent.yaml"
+    code, result = _cli(recipe, cfg, exported.folder, "--temperature", "1.0", settings=SAMPLED)
+    assert code == 0 and result["steps_ours"] > 100 and result["drafts_engine"] > 100, result
+    low, high = result["intervals"]["ours"]
+    assert low < result["tau_ours"] < high and high - low < 0.6, result["intervals"]
+    # our draft sampled at T=0.3 while the target samples at T=1.0: still lossless, but its
+    # acceptance is another one; vLLM's run is the same (reused from the cache)
+    code, result = _cli(recipe, cfg, exported.folder, "--temperature", "1.0",
+                        "--our-draft-temperature", "0.3", settings=SAMPLED)
+    assert code == 1 and any(f.startswith("tau:") for f in result["failures"]), result
 
 
 def test_vllm_accepts_what_our_engine_accepts(run):
@@ -285,3 +306,66 @@ def test_vllm_serves_a_pard_draft_as_our_engine_does(pard_run):
     code, result = _cli(recipe, cfg, exported.folder)
     assert code == 0 and result["tau_ours"] > 1.5, result
     assert result["identical_engine_texts"] == 2
+
+
+# --- llama.cpp ----------------------------------------------------------------------------------
+
+def test_llamacpp_accepts_what_our_engine_accepts(run):
+    from serving.export import export_gguf
+    from serving.validate import validate_llamacpp
+
+    cfg, _ = run
+    exported = export_gguf(cfg, k=3)
+    assert exported.method == "draft-simple" and (exported.folder / "draft-f32.gguf").is_file()
+    result = validate_llamacpp(cfg)
+    assert result.engine == "llama.cpp" and result.tau_ours > 1.5, result
+    assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
+    assert result.identical_engine_texts == 2
+
+
+def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp_path):
+    from serving.export import export_gguf
+
+    cfg, _ = run
+
+    def reversed_layers(weights):
+        renamed = {}
+        for name, tensor in weights.items():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                parts[2] = str(27 - int(parts[2]))
+            renamed[".".join(parts)] = tensor
+        return renamed
+
+    broken = _corrupt(cfg.run.output_path / "train" / "draft", tmp_path, reversed_layers)
+    folder = export_gguf(cfg, 3, draft_folder=broken, out=tmp_path / "broken-gguf").folder
+    code, result = _cli("configs/smollm2-135m-independent.yaml", cfg, folder, "--engine",
+                        "llamacpp", results="results-llamacpp.json")
+    assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
+    assert result["identical_engine_texts"] == 2  # lossless all the same
+
+
+def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run):
+    from serving.export import export_gguf
+    from serving.validate import validate_llamacpp
+
+    cfg, _ = eagle_run
+    exported = export_gguf(cfg, k=3)
+    assert exported.method == "draft-eagle3"
+    result = validate_llamacpp(cfg)
+    assert result.tau_ours > 1.5 and result.drafts_engine > 0, result
+    assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
+    assert result.identical_engine_texts == 2
+
+
+def test_a_head_llamacpp_cannot_serve_is_refused_by_name(medusa_run):
+    from recipe import ConfigError
+    from serving.export import export_gguf
+    from serving.llamacpp import convert_to_gguf
+
+    cfg, exported = medusa_run
+    with pytest.raises(ConfigError, match="does not serve Medusa heads"):
+        export_gguf(cfg, k=3)
+    # and llama.cpp's converter, given the folder anyway, is reported, not worked around
+    with pytest.raises(ConfigError, match="converter does not know .* architecture"):
+        convert_to_gguf(exported.folder, exported.folder.parent / "medusa.gguf")
