@@ -10,6 +10,9 @@ Reads <run>/train/draft (or --draft FOLDER) and writes <run>/export/<kind>/:
   - an EAGLE-3 head: vLLM's native layout (`LlamaForCausalLMEagle3`, `midlayer.*`, `d2t`, `t2d`,
     `norm_before_residual: false`), or with `--format speculators` the speculators layout
     (`speculators_model_type: eagle3`, `layers.0.*`); the d2t is checked against t2d first;
+  - with `--format gguf` (independent drafts, EAGLE-3 heads): <run>/export/<kind>-gguf/ with the
+    draft as GGUF converted by llama.cpp's own converter, the target converted once into
+    <cache>/gguf/, llamacpp.json and the llama-server command (serving/llamacpp.py);
 plus the resolved config (config.yaml), the training figures, `vllm_speculative_config.json`
 with the method always written out (without it vLLM guesses from the folder name), the measured
 eval results when <run>/eval measured this draft, and a model card (README.md) generated from

@@ -10,6 +10,10 @@ fails (exit 1, naming each reason) when vLLM drafted nothing, when tau differs b
 relative tolerance, when any alpha_k differs by more than the tolerance (absolute), or when
 vLLM's greedy texts with the draft differ from its texts without it (speculative decoding must
 not change them). Results go to <run>/validate/results.json.
+
+    --temperature T (> 0): sampled runs, compared by 95 % intervals of tau and alpha_k.
+    --engine llamacpp: llama.cpp's llama-server on the GGUF export (serving.export --format
+    gguf), greedy; results in <run>/validate/results-llamacpp.json.
 """
 
 from __future__ import annotations

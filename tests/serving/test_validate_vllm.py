@@ -320,7 +320,17 @@ def test_llamacpp_accepts_what_our_engine_accepts(run):
     result = validate_llamacpp(cfg)
     assert result.engine == "llama.cpp" and result.tau_ours > 1.5, result
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
-    assert result.identical_engine_texts == 2
+    _texts_kept(cfg)
+
+
+def _texts_kept(cfg) -> dict:
+    """llama.cpp's texts with the draft equal its texts without, or left them at a numerical
+    tie (its batched verification rounds differently: serving.validate.TIE_GAP); and at least
+    one prompt followed our engine's trajectory, so acceptance was compared."""
+    report = json.loads((cfg.run.output_path / "validate" / "results-llamacpp.json").read_text())
+    assert report["identical_engine_texts"] + len(report["numerical_ties"]) == 2, report
+    assert report["compared_prompts"], report
+    return report
 
 
 def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp_path):
@@ -342,7 +352,7 @@ def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp
     code, result = _cli("configs/smollm2-135m-independent.yaml", cfg, folder, "--engine",
                         "llamacpp", results="results-llamacpp.json")
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
-    assert result["identical_engine_texts"] == 2  # lossless all the same
+    _texts_kept(cfg)  # lossless all the same
 
 
 def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run):
@@ -355,7 +365,7 @@ def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run):
     result = validate_llamacpp(cfg)
     assert result.tau_ours > 1.5 and result.drafts_engine > 0, result
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
-    assert result.identical_engine_texts == 2
+    _texts_kept(cfg)
 
 
 def test_a_head_llamacpp_cannot_serve_is_refused_by_name(medusa_run):
