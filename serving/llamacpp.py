@@ -29,6 +29,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 from recipe import ConfigError, cache_root
 
@@ -284,10 +285,10 @@ class LlamaServer:
                              "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
                              "--spec-draft-p-min", "0"]
 
-    def __enter__(self) -> LlamaServer:
+    def __enter__(self) -> Self:
         import tempfile
 
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+        self.log = tempfile.TemporaryFile("w+")  # closed in __exit__
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
                                         stderr=self.log, text=True)
         deadline = time.monotonic() + 300
@@ -296,10 +297,10 @@ class LlamaServer:
                 err = self.output()
                 self.log.close()
                 raise RuntimeError(self._why(err) + f"\n{err[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return self
             time.sleep(0.5)
         self.__exit__(None, None, None)
         raise RuntimeError(f"llama-server did not become healthy within 300 s: {self.command}")

@@ -448,7 +448,8 @@ def validate_llamacpp(cfg: Config, folder: Path | None = None,
     same = [j for j, (a, b) in enumerate(zip(runs["speculative"], ours.tokens))
             if _strip(a, ours.eos) == _strip(b, ours.eos)]
     engine = _pooled([per_prompt[j] for j in same], k)
-    mine = _pooled([{"drafts": s.steps, "accepted_per_position": s.accepted_per_position[:k]}
+    mine = _pooled([{"drafts": s.steps, "draft_tokens": sum(s.drafted_per_position[:k]),
+                     "accepted_per_position": s.accepted_per_position[:k]}
                     for j, s in enumerate(ours.stats) if j in same], k)
     failures = verdict(mine[0], engine[0], mine[1], engine[1], engine[2],
                        identical + len(ties), len(ours.prompts), tolerance, "llama.cpp")
@@ -476,17 +477,33 @@ def _delta(after: dict, before: dict, k: int) -> dict:
     width = len(after["accepted_per_position"])
     old = before["accepted_per_position"] + [0] * (width - len(before["accepted_per_position"]))
     return {"drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
             "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"],
                                                             old)][:k]}
 
 
+def drafted_per_position(request: dict, k: int) -> list[int]:
+    """Steps that drafted position j (1..k) in one request. llama.cpp trims a request's last
+    draft to the tokens left (n_predict - generated - 1), our engine never does: a request whose
+    steps drafted D tokens fewer than drafts * k drafted positions k-D+1..k one step less (its
+    last), which the conditional acceptance alpha_j = accepted_j / drafted_j takes into
+    account. (Two trimmed steps, possible when little is accepted at the very end, are counted
+    as one: the difference is at most one step per request.)"""
+    steps = request["drafts"]
+    deficit = steps * k - request.get("draft_tokens", steps * k)
+    return [steps - (1 if steps and j > k - deficit else 0) for j in range(1, k + 1)]
+
+
 def _pooled(requests: list[dict], k: int) -> tuple[float, list[float], int]:
-    """Requests' (drafting steps, accepted per position) -> (tau, alpha_1..k, steps)."""
+    """Requests' counters -> (tau, alpha_1..k conditional on the position being drafted,
+    drafting steps)."""
     steps = sum(r["drafts"] for r in requests)
     per_position = [sum(r["accepted_per_position"][j] for r in requests
                         if j < len(r["accepted_per_position"])) for j in range(k)]
-    return (1 + sum(per_position) / max(steps, 1), [c / max(steps, 1) for c in per_position],
-            steps)
+    drafted = [sum(column) for column in
+               zip(*[drafted_per_position(r, k) for r in requests])] or [0] * k
+    return (1 + sum(per_position) / max(steps, 1),
+            [c / max(d, 1) for c, d in zip(per_position, drafted)], steps)
 
 
 def main(argv: list[str] | None = None) -> int:

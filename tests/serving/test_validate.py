@@ -122,3 +122,16 @@ def test_the_first_divergence_of_two_texts():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped, the other went on
+
+
+def test_llamacpps_trimmed_last_draft_is_not_counted_as_a_rejection():
+    from serving.validate import _pooled, drafted_per_position
+
+    # 6 steps at k=3, the last trimmed to 2 tokens (1 short): position 3 drafted 5 times
+    request = {"drafts": 6, "draft_tokens": 17, "accepted_per_position": [6, 6, 5]}
+    assert drafted_per_position(request, 3) == [6, 6, 5]
+    tau, alpha, steps = _pooled([request], 3)
+    assert alpha == [1.0, 1.0, 1.0] and steps == 6 and abs(tau - (1 + 17 / 6)) < 1e-12
+    full = {"drafts": 4, "draft_tokens": 12, "accepted_per_position": [2, 1, 0]}
+    assert drafted_per_position(full, 3) == [4, 4, 4]
+    assert _pooled([request, full], 3)[1] == [8 / 10, 7 / 10, 5 / 9]
