@@ -229,7 +229,7 @@ class Independent:
     spec and folder no other kind claims."""
 
     name, description, vllm_method = "independent", "an independent draft model", "draft_model"
-    vllm_options: dict = {"draft_sample_method": "probabilistic"}  # sample drafts as we do
+    vllm_options: dict = {}
     formats = ("vllm",)
     hf_assistant = True
     llamacpp_spec_type = "draft-simple"

@@ -65,10 +65,9 @@ class DraftKind(Protocol):
     """vLLM's speculative method for the exported folder; None: vLLM does not serve it."""
     vllm_options: dict
     """What vLLM's speculative config needs besides method, model and k (PARD:
-    parallel_drafting). Kinds that vLLM can sample from set draft_sample_method
-    'probabilistic': vLLM's default drafts the argmax and treats q as one-hot, which at T > 0
-    accepts differently from our engine (which samples the draft, as speculative sampling
-    does); `serving.validate --temperature` checks the two agree."""
+    parallel_drafting). vLLM 0.32 drafts the argmax by default (draft_sample_method 'greedy',
+    q one-hot), our engine samples the draft: at T > 0 the two accept differently, which
+    `serving.validate --temperature` shows (README, "Sampling")."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
     llamacpp_spec_type: str | None

@@ -107,7 +107,7 @@ class Pard:
     """An independent draft LM trained to fill k-1 mask tokens after its context."""
 
     name, description, vllm_method = "pard", "a PARD parallel draft model", "draft_model"
-    vllm_options = {"parallel_drafting": True, "draft_sample_method": "probabilistic"}
+    vllm_options = {"parallel_drafting": True}
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
     llamacpp_spec_type = None  # llama.cpp would draft with it token by token, not in parallel

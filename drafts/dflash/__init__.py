@@ -43,7 +43,7 @@ class DFlash:
     """Decoder layers on the target's context that fill k mask tokens in one forward."""
 
     name, description, vllm_method = "dflash", "a DFlash block drafter", "dflash"
-    vllm_options: dict = {"draft_sample_method": "probabilistic"}  # the method implies parallel drafting
+    vllm_options: dict = {}  # the method implies parallel drafting
     formats = ("vllm",)
     hf_assistant = False
     llamacpp_spec_type = None  # llama.cpp 11434 has draft-dflash for Qwen lineages only

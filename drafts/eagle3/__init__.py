@@ -36,7 +36,7 @@ class Eagle3:
     """One decoder layer on the target's aux features, over a reduced draft vocabulary."""
 
     name, description, vllm_method = "eagle3", "an EAGLE-3 head", "eagle3"
-    vllm_options: dict = {"draft_sample_method": "probabilistic"}  # sample drafts as we do
+    vllm_options: dict = {}
     formats = ("vllm", "speculators")
     hf_assistant = False
     llamacpp_spec_type = "draft-eagle3"
