@@ -48,15 +48,17 @@ class Export:
     """The command that serves it (vLLM's server, or llama-server for a GGUF export)."""
 
 
-def export_folder(cfg: Config, folder: Path | None = None) -> Path:
+def export_folder(cfg: Config, folder: Path | None = None, gguf: bool = False) -> Path:
     """The export folder to validate or publish: the one given, else the single one in
-    <run>/export/."""
+    <run>/export/ (gguf: the single GGUF export, the one holding llamacpp.json)."""
+    marker, command = (("llamacpp.json", "serving.export --format gguf") if gguf
+                       else ("vllm_speculative_config.json", "serving.export"))
     candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
-    candidates = [c for c in candidates if (c / "vllm_speculative_config.json").is_file()]
+    candidates = [c for c in candidates if (c / marker).is_file()]
     if len(candidates) != 1:
-        raise ConfigError(f"expected one exported draft, found {len(candidates)} in "
-                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export` "
-                          "first, or pass --folder.")
+        raise ConfigError(f"expected one {'GGUF export' if gguf else 'exported draft'}, found "
+                          f"{len(candidates)} in {cfg.run.output_path / 'export'}: run "
+                          f"`python -m {command}` first, or pass --folder.")
     return candidates[0]
 
 

@@ -166,6 +166,8 @@ class OurRun:
     draft_name: str
     target: object = None
     """The fp32 target (HF), for the logit gaps at a divergence."""
+    target_path: str = ""
+    """Where the target's HF folder is (what vLLM loads)."""
 
 
 def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -197,7 +199,8 @@ def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, t
     runner = engine_runner(target, settings, eos, pad, tokenizer, engine, cfg.run.seed)
     m = measure({"speculative": runner}, [prompts], log=lambda *a, **kw: None)["speculative"]
     return OurRun(method_result("speculative", m, tokenizer, settings, True), m.outputs,
-                  [s for run in m.runs for s in run.stats], prompts, eos, draft.name, target)
+                  [s for run in m.runs for s in run.stats], prompts, eos, draft.name, target,
+                  resolved.path)
 
 
 class _AtTemperature:
@@ -249,9 +252,7 @@ def design_effect(stats: list) -> float:
         return 1.0
     mean = sum(a for a, _ in rows) / steps
     cluster = len(rows) / (len(rows) - 1) * sum((a - mean * n) ** 2 for a, n in rows) / steps ** 2
-    per_position = [sum(s.accepted_per_position[j] for s in stats if s.steps)
-                    for j in range(max(len(s.accepted_per_position) for s in stats))]
-    low, high = tau_interval(steps, per_position, 1.0, 1.0)
+    low, high = tau_interval(*_summed(stats), 1.0, 1.0)
     independent = ((high - low) / 2) ** 2
     return max(1.0, cluster / independent) if independent > 0 else 1.0
 
@@ -314,8 +315,7 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     k = speculative["num_speculative_tokens"]
     kind_of(folder).check_exported(folder)
     ours = our_run(cfg, k, temperature, top_p, top_k, draft_temperature)
-    resolved = resolve_target(cfg.model)
-    request = {"target": resolved.path, "dtype": "float32", "prompts": ours.prompts,
+    request = {"target": ours.target_path, "dtype": "float32", "prompts": ours.prompts,
                "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(ours.eos),
                "enforce_eager": enforce_eager}
     if temperature > 0:
@@ -358,17 +358,6 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
     return _finish(cfg, result, ours, folder, extra)
 
 
-def gguf_export_folder(cfg: Config, folder: Path | None = None) -> Path:
-    """The GGUF export to validate: the one given, else the single <run>/export/*-gguf/."""
-    candidates = [folder] if folder else sorted((cfg.run.output_path / "export").glob("*/"))
-    candidates = [c for c in candidates if (c / "llamacpp.json").is_file()]
-    if len(candidates) != 1:
-        raise ConfigError(f"expected one GGUF export, found {len(candidates)} in "
-                          f"{cfg.run.output_path / 'export'}: run `python -m serving.export "
-                          "--format gguf` first, or pass --folder.")
-    return candidates[0]
-
-
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (or one ends before the other), else None."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -406,7 +395,7 @@ def validate_llamacpp(cfg: Config, folder: Path | None = None,
     same counts expected), with the vLLM check's tolerances."""
     from serving.llamacpp import LlamaServer, check_same_vocabulary, ensure_llamacpp
 
-    folder = gguf_export_folder(cfg, folder)
+    folder = export_folder(cfg, folder, gguf=True)
     spec = json.loads((folder / "llamacpp.json").read_text())
     if spec["outtype"] != "f32":
         raise ConfigError(f"{folder} holds {spec['outtype']} weights: the comparison with our "

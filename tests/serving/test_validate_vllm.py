@@ -34,6 +34,17 @@ def _corrupt(folder, tmp_path, change) -> object:
     return broken
 
 
+def _reversed_layers(weights):
+    """An exporter's bug: the 28 decoder layers of the run's draft in the wrong order."""
+    renamed = {}
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            parts[2] = str(27 - int(parts[2]))
+        renamed[".".join(parts)] = tensor
+    return renamed
+
+
 def _own_answers(recipe: str, out, tokenizer):
     """(config, target, batch): the run's config, the real target, and its own greedy answers
     (24 tokens) to the two eval prompts as a training batch, loss on the answers."""
@@ -99,17 +110,8 @@ def test_vllm_accepts_what_our_engine_accepts(run):
 def test_a_corrupted_export_fails_the_validation(run, tmp_path):
     cfg, exported = run
 
-    def reversed_layers(weights):  # an exporter's bug: decoder layers in the wrong order
-        renamed = {}
-        for name, tensor in weights.items():
-            parts = name.split(".")
-            if parts[:2] == ["model", "layers"]:
-                parts[2] = str(27 - int(parts[2]))
-            renamed[".".join(parts)] = tensor
-        return renamed
-
     code, result = _cli("configs/smollm2-135m-independent.yaml", cfg,
-                        _corrupt(exported.folder, tmp_path, reversed_layers))
+                        _corrupt(exported.folder, tmp_path, _reversed_layers))
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"]
     assert any("tau" in f for f in result["failures"])
     assert result["identical_engine_texts"] == 2  # lossless all the same: only the speed suffers
@@ -328,16 +330,7 @@ def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp
 
     cfg, _ = run
 
-    def reversed_layers(weights):
-        renamed = {}
-        for name, tensor in weights.items():
-            parts = name.split(".")
-            if parts[:2] == ["model", "layers"]:
-                parts[2] = str(27 - int(parts[2]))
-            renamed[".".join(parts)] = tensor
-        return renamed
-
-    broken = _corrupt(cfg.run.output_path / "train" / "draft", tmp_path, reversed_layers)
+    broken = _corrupt(cfg.run.output_path / "train" / "draft", tmp_path, _reversed_layers)
     folder = export_gguf(cfg, 3, draft_folder=broken, out=tmp_path / "broken-gguf").folder
     code, result = _cli("configs/smollm2-135m-independent.yaml", cfg, folder, "--engine",
                         "llamacpp", settings=LLAMA, results="results-llamacpp.json")
