@@ -7,6 +7,9 @@ a dynamic EAGLE-2 tree the draft expands, settings.tree_nodes) and the n-gram ma
 target forward with a tree mask, accepted by the lossless walk of decoding/tree.py
 (tree_step).
 
+When sampling, the draft proposes at settings.draft_temperature if set (0: argmax drafting with a
+one-hot q, vLLM's default), else at the target's settings.
+
 Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
 Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
 of being cropped (decoding/kv.py). The settings are recipe.DecodeSettings; the draft is anything
@@ -16,7 +19,7 @@ that implements Draft (drafts/ holds every kind).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -162,6 +165,12 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     def probs(logits):  # [..., V] -> [..., V], the same filters for target and draft
         return sampling_probs(logits, settings.temperature, settings.top_p, settings.top_k)
 
+    # what the draft samples at: the target's settings, or its own temperature (0: argmax)
+    drafting = settings
+    if settings.draft_temperature is not None and settings.temperature > 0:
+        argmax = {"top_p": 1.0, "top_k": 0} if settings.draft_temperature == 0 else {}
+        drafting = replace(settings, temperature=settings.draft_temperature, **argmax)
+
     start = time.perf_counter()
     first = torch.multinomial(probs(target_lm.prefill(input_ids, attention_mask)), 1,
                               generator=generator)[:, 0]  # [B]
@@ -198,7 +207,8 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                 settings.tree_nodes, ngrams, k)
             draft_probs = None
         elif draft is not None:
-            draft_tokens, draft_probs = draft.propose(k, settings, histories, generator)  # [B,k], [B,k,V]
+            # [B, k], [B, k, V]
+            draft_tokens, draft_probs = draft.propose(k, drafting, histories, generator)
             if tree_mode:
                 tree = build_tree(pending, draft_tokens,
                                   alternatives(draft, draft_tokens, settings), ngrams,

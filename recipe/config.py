@@ -171,6 +171,11 @@ class DecodeSettings:
     """0 is greedy decoding; > 0 samples."""
     top_p: float = 1.0
     top_k: int = 0
+    draft_temperature: float | None = None
+    """The temperature the draft proposes at when temperature > 0 (lossless whatever it is: the
+    verification uses the q the tokens came from). None: the target's (standard speculative
+    sampling). 0: argmax drafting, q one-hot, so a draft token is accepted with probability
+    p(token): what vLLM does by default (draft_sample_method 'greedy') and llama.cpp does."""
     k: int = 4
     """Draft tokens per target forward (the start value when adaptive_k)."""
     adaptive_k: bool = False
@@ -217,6 +222,9 @@ class DecodeSettings:
             raise ConfigError(f"{at}k_max={self.k_max} must be in [{at}k, 64].")
         if self.temperature < 0:
             raise ConfigError(f"{at}temperature={self.temperature} must be >= 0 (0 for greedy).")
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ConfigError(f"{at}draft_temperature={self.draft_temperature} must be >= 0 (0 "
+                              "for argmax drafting) or null for the target's temperature.")
         if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
             raise ConfigError(f"{at}top_p/top_k have no effect with greedy decoding "
                               f"({at}temperature=0): set a temperature or drop them.")

@@ -172,10 +172,9 @@ class OurRun:
 
 def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
             draft_temperature: float | None = None) -> OurRun:
-    """draft_temperature: sample the draft at another temperature than the target (a
-    deliberately wrong draft, to check that the sampling check catches it)."""
-    from dataclasses import replace
-
+    """draft_temperature: what our draft proposes at when sampling (DecodeSettings: None the
+    target's temperature, 0 argmax drafting as vLLM does by default, other values a draft
+    deliberately unlike the engine's)."""
     from eval.speculative import engine_runner, measure, method_result
 
     trained = cfg.run.output_path / "train" / "draft"
@@ -192,29 +191,24 @@ def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, t
     draft = load_draft(str(trained), target, tokenizer, torch.float32, device)
     settings = DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k,
                               batch_size=cfg.eval.batch_size, temperature=temperature,
-                              top_p=top_p, top_k=top_k)
-    engine = engine_draft(draft)
-    if draft_temperature is not None:
-        engine = _AtTemperature(engine, replace(settings, temperature=draft_temperature))
-    runner = engine_runner(target, settings, eos, pad, tokenizer, engine, cfg.run.seed)
+                              top_p=top_p, top_k=top_k, draft_temperature=draft_temperature)
+    runner = engine_runner(target, settings, eos, pad, tokenizer, engine_draft(draft),
+                           cfg.run.seed)
     m = measure({"speculative": runner}, [prompts], log=lambda *a, **kw: None)["speculative"]
     return OurRun(method_result("speculative", m, tokenizer, settings, True), m.outputs,
                   [s for run in m.runs for s in run.stats], prompts, eos, draft.name, target,
                   resolved.path)
 
 
-class _AtTemperature:
-    """A draft that proposes at its own sampling settings, whatever the engine's: wrong on
-    purpose (rejection sampling keeps the output the target's; only acceptance drops)."""
-
-    def __init__(self, draft, sampling):
-        self._draft, self._sampling = draft, sampling
-
-    def __getattr__(self, name):
-        return getattr(self._draft, name)
-
-    def propose(self, k, sampling, history, generator=None):
-        return self._draft.propose(k, self._sampling, history, generator)
+def vllm_draft_temperature(speculative: dict) -> float | None:
+    """The draft temperature that makes our engine draft as vLLM does for this speculative
+    config: 'greedy' (vLLM's default draft_sample_method) proposes the draft's argmax with a
+    one-hot q (0.0); 'probabilistic' samples the draft at the request's settings (None)."""
+    method = speculative.get("draft_sample_method", "greedy")
+    if method not in ("greedy", "probabilistic"):
+        raise ConfigError(f"draft_sample_method {method!r} in the export's speculative config is "
+                          "not one vLLM 0.32 knows ('greedy' or 'probabilistic'): fix the export.")
+    return 0.0 if method == "greedy" else None
 
 
 def tau_interval(drafts: int, accepted_per_position: list[int], design_effect: float = 1.0,
@@ -308,12 +302,18 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
              top_k: int = 0, draft_temperature: float | None = None) -> Validation:
     """vLLM against our engine. Greedy (temperature 0): tau within tolerance, alpha_k within
     tolerance, vLLM's texts unchanged by the draft. Sampled: the 95 % intervals of tau and
-    each alpha_k overlap (each engine's counters; per-request correlation from ours)."""
+    each alpha_k overlap (each engine's counters; per-request correlation from ours); our
+    draft proposes as vLLM's does for this export (vllm_draft_temperature) unless
+    draft_temperature says otherwise (a deliberately different draft, which the check must
+    catch)."""
     folder = export_folder(cfg, folder)
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
     k = speculative["num_speculative_tokens"]
     kind_of(folder).check_exported(folder)
+    as_engine = vllm_draft_temperature(speculative)
+    if draft_temperature is None:
+        draft_temperature = as_engine
     ours = our_run(cfg, k, temperature, top_p, top_k, draft_temperature)
     request = {"target": ours.target_path, "dtype": "float32", "prompts": ours.prompts,
                "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(ours.eos),
@@ -341,7 +341,9 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
         failures = sampling_verdict(intervals["ours"], intervals["engine"],
                                     intervals["alpha_ours"], intervals["alpha_engine"], drafts)
         extra.update(intervals=intervals, design_effect=effect, steps_ours=our_steps,
-                     draft_temperature_ours=draft_temperature)
+                     draft_temperature_ours=draft_temperature,
+                     draft_temperature_engine=as_engine,
+                     draft_sample_method=speculative.get("draft_sample_method", "greedy"))
     else:
         failures = verdict(ours.result.tau, tau_engine, ours.result.alpha, alpha_engine, drafts,
                            identical, len(ours.prompts), tolerance)
@@ -495,6 +497,12 @@ def _pooled(requests: list[dict], k: int) -> tuple[float, list[float], int]:
             [c / max(d, 1) for c, d in zip(per_position, drafted)], steps)
 
 
+def _drafting(draft_temperature: float | None, temperature: float) -> str:
+    if draft_temperature == 0:
+        return "argmax (q one-hot)"
+    return f"T={temperature if draft_temperature is None else draft_temperature}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipe import load_config
 
@@ -512,8 +520,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--our-draft-temperature", type=float, default=None,
-                        help="sample our engine's draft at this temperature instead (a wrong "
-                             "draft on purpose: shows what the check catches)")
+                        help="with --temperature: our draft proposes at this temperature "
+                             "instead of as vLLM's does (vLLM's default draft_sample_method "
+                             "'greedy' is argmax drafting, 0); a draft unlike the engine's on "
+                             "purpose shows what the check catches")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
     args, overrides = parser.parse_known_args(argv)
@@ -538,9 +548,13 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads((cfg.run.output_path / "validate" / "results.json").read_text())
         lo, hi = report["intervals"]["ours"]
         elo, ehi = report["intervals"]["engine"]
+        ours_t, engine_t = report["draft_temperature_ours"], report["draft_temperature_engine"]
         print(f"T={args.temperature}: tau 95 % intervals: ours [{lo:.3f}, {hi:.3f}] over "
               f"{report['steps_ours']} steps, vLLM [{elo:.3f}, {ehi:.3f}] over {r.drafts_engine}"
-              f" (design effect {report['design_effect']:.2f})")
+              f" (design effect {report['design_effect']:.2f}); drafts proposed at "
+              f"{_drafting(ours_t, args.temperature)} in ours, "
+              f"{_drafting(engine_t, args.temperature)} in vLLM "
+              f"(draft_sample_method {report['draft_sample_method']!r})")
     else:
         print(f"{r.engine} texts with the draft identical to without: "
               f"{r.identical_engine_texts}/{r.prompts}; to our engine's: "

@@ -198,3 +198,32 @@ if __name__ == "__main__":  # the figures: python -m tests.decoding.test_samplin
         print(f"| {kind}{' + n-gram' if ngram_branch else ''} | 1.0 | {rate:.2f} | "
               f"{sum(s.accepted_alternative for s in out.stats)} / "
               f"{sum(s.accepted_ngram for s in out.stats)} | {p:.3g} |")
+
+
+@pytest.mark.parametrize("draft_temperature", [0.0, 2.0])
+@pytest.mark.parametrize("kind", ["independent", "eagle3"])
+def test_a_draft_at_its_own_temperature_keeps_the_targets_distribution(target, kind,
+                                                                       draft_temperature):
+    """draft_temperature 0 (argmax drafting, one-hot q: vLLM's default) or another temperature
+    than the target's changes only acceptance, never the output distribution."""
+    prompts, ids, mask = _batch()
+    settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=1.0, top_p=0.9,
+                              top_k=6, draft_temperature=draft_temperature)
+    draft = _draft(kind, target)
+    seen = []
+    propose = draft.propose
+
+    def spy(k, sampling, history, generator=None):
+        tokens, q = propose(k, sampling, history, generator)
+        seen.append((sampling.temperature, q))
+        return tokens, q
+
+    draft.propose = spy
+    out = generate(target, ids, mask, settings, {VOCAB + 1}, draft,
+                   generator=torch.Generator().manual_seed(3))
+    assert {t for t, _ in seen} == {draft_temperature}
+    if draft_temperature == 0:  # one-hot q: each proposal is the draft's argmax
+        assert all(bool(((q == 0) | (q == 1)).all()) for _, q in seen)
+    accepted = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
+    assert 0.02 < accepted < 0.98
+    assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3

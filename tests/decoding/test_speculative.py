@@ -46,6 +46,20 @@ def test_acceptance_probability_is_min_one_p_over_q():
     assert abs(out.num_accepted.float().mean().item() - 0.2 / 0.6) < 0.015
 
 
+def test_argmax_drafting_accepts_with_p_and_resamples_from_p_without_the_draft_token():
+    """A one-hot q (argmax drafting, vLLM's draft_sample_method 'greedy'): the draft token is
+    accepted with probability p(x), the replacement follows p with x removed, renormalised; so
+    the emitted token follows p."""
+    n = 40000
+    p = torch.tensor([0.1, 0.5, 0.3, 0.1, 0.0]).expand(n, 2, V)
+    out = verify(torch.full((n, 1), 2), _onehot([[2]] * n), p, torch.Generator().manual_seed(0))
+    accepted = out.num_accepted.bool()
+    assert abs(accepted.float().mean().item() - 0.3) < 0.01
+    replaced = torch.bincount(out.next_token[~accepted], minlength=V).float() / (~accepted).sum()
+    torch.testing.assert_close(replaced, torch.tensor([1 / 7, 5 / 7, 0, 1 / 7, 0]), atol=0.01,
+                               rtol=0)
+
+
 def test_residual_distribution():
     p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
     torch.testing.assert_close(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
