@@ -171,8 +171,7 @@ def _rows(out: Path) -> list[dict]:
     return sorted(read_columns(out / "data", columns), key=lambda r: r["id"])
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+@pytest.mark.parametrize("sampling,processes", [("greedy", 1), ("sampled", 2)])  # ~100 s each
 def test_killed_three_times_then_resumed_writes_what_an_uninterrupted_run_writes(
         tiny_target, tmp_path, sampling, processes):
     """Every reply is a function of its conversation alone (its own seed, its batch as in an
