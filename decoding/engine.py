@@ -135,10 +135,15 @@ class Generation:
 @torch.no_grad()
 def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
              settings: DecodeSettings, stop_token_ids: set[int], draft: Draft | None = None,
-             generator: torch.Generator | None = None, decode=None) -> Generation:
+             generator: torch.Generator | None = None, decode=None,
+             on_tokens=None) -> Generation:
     """Decode left-padded prompts [B, T] with the target, speculatively when a draft is given.
 
-    decode (token ids -> text) is needed only for settings.stop_strings."""
+    decode (token ids -> text) is needed only for settings.stop_strings. on_tokens(row, tokens,
+    finished, stats) -> bool, if given, receives each row's tokens as soon as a step emits them
+    (the verified group, the stop token included), whether the row is finished and its
+    RequestStats so far; returning False ends the row there (a client that went away, a stop
+    the caller detects), its tokens so far kept."""
     if settings.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (the tokenizer's decode).")
     tail = max((len(s) for s in settings.stop_strings), default=0) + 2  # tokens to re-decode
@@ -183,6 +188,13 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     k_max = settings.k_max_used
     stats = [RequestStats(drafted_per_position=[0] * k_max, accepted_per_position=[0] * k_max)
              for _ in range(batch)]
+
+    def emit(row: int, tokens: list[int]) -> None:
+        if on_tokens is not None and not on_tokens(row, tokens, done[row], stats[row]):
+            done[row] = True
+
+    for row in range(batch):
+        emit(row, outputs[row][:])
     if draft is not None:
         start = time.perf_counter()
         draft.start(input_ids, attention_mask, first, target_lm.hidden_states)
@@ -258,12 +270,14 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 s.accepted_alternative += int((sources == ALTERNATIVE).sum())
                 s.accepted_ngram += int((sources == NGRAM).sum())
                 s.tree_fallbacks += int(result.fallbacks[row]) + (dropped[row] if dynamic else 0)
+            before = len(outputs[row])
             for token in path[row, :n].tolist() + [nxt]:
                 outputs[row].append(token)
                 histories[row].append(token)
                 if stopped(outputs[row]):
                     done[row] = True
                     break
+            emit(row, outputs[row][before:])
         pending = result.next_token
         if window is not None and draft is not None:
             accepted = [accepted_rows[row] for row in active_rows]

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible server, driven by the official openai client over 127.0.0.1: a tiny
+random target, its first layer as a draft ('first') and a copy of itself ('self', every token
+accepted)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from recipe import load_config
+from serving.server import Limits, Served, create_app
+
+KEY = "test-key"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, served, limits, api_key=KEY):
+        import uvicorn
+
+        self.app = create_app(served, limits, api_key)
+        self.port = _port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_target, tmp_path_factory):
+    cfg = load_config(None, [f"model.target={tiny_target}",
+                             f"run.output_dir={tmp_path_factory.mktemp('run')}"])
+    torch.manual_seed(0)
+    return Served(cfg, {"first": "layer-truncated:1", "self": str(tiny_target)},
+                  torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    s = _Server(served, Limits(max_queue=16, max_batch=8, max_tokens=256))
+    yield s
+    s.close()
+
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def _chat(client, served, stream=False, **extra):
+    body = dict(model=served.model_id, messages=CHAT, max_tokens=extra.pop("max_tokens", 24),
+                temperature=extra.pop("temperature", 0.0))
+    if "seed" in extra:
+        body["seed"] = extra.pop("seed")
+    if "stop" in extra:
+        body["stop"] = extra.pop("stop")
+    if stream:
+        chunks = list(client.chat.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}, extra_body=extra))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        return text, finish, chunks[-1].usage, chunks
+    r = client.chat.completions.create(**body, extra_body=extra)
+    return r.choices[0].message.content, r.choices[0].finish_reason, r.usage, None
+
+
+def test_chat_completions_models_and_the_speculation_usage(server, served):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [served.model_id]
+    text, finish, usage, _ = _chat(client, served, draft_model="self",
+                                   max_speculative_tokens=4)
+    extra = usage.model_extra
+    assert usage.completion_tokens > 0 and usage.total_tokens == (usage.prompt_tokens
+                                                                  + usage.completion_tokens)
+    assert extra["speculative_decoding"] and extra["draft_model"] == "self"
+    # the target drafting for itself: every draft token accepted (the last step may end early)
+    assert extra["accepted_tokens"] >= extra["drafted_tokens"] - 4 > 0
+    assert extra["tau"] > 3.0
+    assert extra["latency_ms"] >= extra["time_to_first_token_ms"] > 0
+    plain = _chat(client, served, speculative_decoding=False)
+    assert plain[0] == text and plain[2].model_extra["tau"] is None
+    assert plain[2].model_extra["drafted_tokens"] == 0
+
+    r = client.completions.create(model=served.model_id, prompt="The sea is", max_tokens=12,
+                                  temperature=0.0, extra_body={"draft_model": "ngram"})
+    assert r.object == "text_completion" and r.usage.completion_tokens > 0
+    assert r.usage.model_extra["draft_model"] == "ngram"
+
+
+def test_greedy_text_is_the_same_for_every_k_and_when_streamed(server, served):
+    client = server.client()
+    reference = _chat(client, served, max_tokens=40, max_speculative_tokens=0)
+    assert reference[2].model_extra["speculative_decoding"] is False
+    for k in (2, 4, 8):
+        for draft in ("first", "self", "ngram"):
+            text, finish, usage, _ = _chat(client, served, max_tokens=40, draft_model=draft,
+                                           max_speculative_tokens=k)
+            assert (text, finish) == reference[:2], (draft, k)
+            assert usage.completion_tokens == reference[2].completion_tokens
+            streamed, s_finish, s_usage, chunks = _chat(client, served, stream=True,
+                                                        max_tokens=40, draft_model=draft,
+                                                        max_speculative_tokens=k)
+            assert (streamed, s_finish) == reference[:2], (draft, k, "stream")
+            assert s_usage.completion_tokens == usage.completion_tokens
+    # with the target drafting for itself, a step sends k+1 tokens in one chunk
+    *_, chunks = _chat(client, served, stream=True, max_tokens=40, draft_model="self",
+                       max_speculative_tokens=4)
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and
+             c.choices[0].delta.content]
+    assert 1 < len(texts) < 40
+
+
+def test_a_seeded_sampled_request_repeats_streamed_or_not(server, served):
+    client = server.client()
+    runs = [_chat(client, served, stream=stream, temperature=1.0, seed=7, max_tokens=30,
+                  draft_model="first", max_speculative_tokens=3) for stream in (False, True)]
+    assert runs[0][0] == runs[1][0] and runs[0][0]
+    other = _chat(client, served, temperature=1.0, seed=8, max_tokens=30, draft_model="first")
+    assert other[0] != runs[0][0]
+
+
+def test_a_stop_string_ends_the_text_before_it_streamed_or_not(server, served):
+    client = server.client()
+    whole = _chat(client, served, max_tokens=40)[0]
+    stop = whole[len(whole) // 2: len(whole) // 2 + 3]
+    assert len(stop) == 3
+    for stream in (False, True):
+        text, finish, _, _ = _chat(client, served, stream=stream, max_tokens=40, stop=[stop],
+                                   draft_model="self")
+        assert text == whole[:whole.index(stop)] and finish == "stop"
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, headers=headers, timeout=60,
+                      content=raw if raw is not None else json.dumps(body))
+
+
+@pytest.mark.parametrize("body,key,raw,status,message", [
+    ({"draft_model": "nope"}, KEY, None, 400, "draft_model 'nope' is not loaded"),
+    ({"max_speculative_tokens": 99}, KEY, None, 400, "outside"),
+    ({"max_speculative_tokens": -1}, KEY, None, 400, "outside"),
+    ({"frequency_penalty": 1.0}, KEY, None, 400, "unknown field"),
+    ({"n": 2}, KEY, None, 400, "outside"),
+    ({"model": "gpt-4"}, KEY, None, 404, "not served here"),
+    ({"max_tokens": 100000}, KEY, None, 400, "outside"),
+    ({"messages": [{"role": "user", "content": "word " * 600}]}, KEY, None, 400,
+     "exceed the model's context"),
+    ({}, None, None, 401, "API key"),
+    ({}, "wrong", None, 401, "API key"),
+    ({}, KEY, b"{not json", 400, "not valid JSON"),
+    ({"messages": "hello"}, KEY, None, 400, "'messages' must be"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving(
+        server, served, body, key, raw, status, message):
+    full = {"model": served.model_id, "messages": CHAT, "max_tokens": 8, **body}
+    r = _post(server, "/v1/chat/completions", full, key, raw)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert "Traceback" not in r.text
+    ok = _post(server, "/v1/chat/completions", {"model": served.model_id, "messages": CHAT,
+                                                "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_a_server_without_a_trained_draft_needs_one_named(served):
+    from serving.server import HTTPError, parse_job
+
+    saved, served.default_draft = served.default_draft, None
+    try:
+        job, _, _ = parse_job({"messages": CHAT, "temperature": 0}, True, served, Limits(),
+                              None)
+        assert job.draft is None  # plain decoding by default
+        with pytest.raises(HTTPError, match="no trained draft"):
+            parse_job({"messages": CHAT, "speculative_decoding": True}, True, served, Limits(),
+                      None)
+        job, _, _ = parse_job({"messages": CHAT, "temperature": 0, "draft_model": "ngram"},
+                              True, served, Limits(), None)
+        assert job.draft == "ngram"
+    finally:
+        served.default_draft = saved
+
+
+def test_concurrent_greedy_requests_are_batched_and_answer_as_alone(server, served):
+    client = server.client()
+    prompts = [f"Tell me about the number {i}." for i in range(6)]
+
+    def ask(p):
+        r = client.chat.completions.create(
+            model=served.model_id, messages=[{"role": "user", "content": p}], max_tokens=24,
+            temperature=0.0, extra_body={"draft_model": "first", "max_speculative_tokens": 3})
+        return r.choices[0].message.content
+
+    alone = [ask(p) for p in prompts]
+    before = len(server.app.state.scheduler.batches)
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
+    assert max(server.app.state.scheduler.batches[before:]) > 1  # some were decoded together
+
+
+def test_a_full_queue_answers_429_and_a_client_leaving_frees_its_slot(served):
+    s = _Server(served, Limits(max_queue=1, max_batch=1, max_tokens=256))
+    slow = served.target.register_forward_pre_hook(lambda *a: time.sleep(0.05))
+    try:
+        client = s.client()
+        stream = client.chat.completions.create(
+            model=served.model_id, messages=CHAT, max_tokens=200, temperature=0.0, stream=True,
+            extra_body={"speculative_decoding": False})
+        next(iter(stream))  # the request holds the only slot
+        r = _post(s, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert "busy" in r.json()["error"]["message"]
+        stream.close()  # the client leaves mid-stream: its row ends, its slot frees
+        deadline = time.time() + 30
+        while True:
+            r = _post(s, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4,
+                                                  "temperature": 0})
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200
+        metrics = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        assert 'draftsmith_requests_total{endpoint="/v1/chat/completions",status="429"} 1.0' \
+            in metrics
+        assert "draftsmith_request_latency_seconds_bucket" in metrics
+    finally:
+        slow.remove()
+        s.close()
