@@ -650,6 +650,38 @@ async def _stream(job: Job, shape: _Shape, include_usage: bool):
         job.cancelled = True  # a client that left mid-stream: its row ends at the next step
 
 
+class Background:
+    """The app served by uvicorn on a thread of this process (tests, benchmarks):
+    `with Background(app) as url: ...`; port 0 picks a free one."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.app, self.url = app, f"http://{host}:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                     log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        deadline = time.time() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.time() > deadline:
+                raise RuntimeError(f"the server did not start at {self.url}")
+            time.sleep(0.05)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=60)
+
+
 def parse_drafts(values: list[str]) -> dict[str, str]:
     drafts = {}
     for value in values:

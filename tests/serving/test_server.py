@@ -5,8 +5,6 @@ accepted)."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,32 +13,16 @@ import pytest
 import torch
 
 from recipe import load_config
-from serving.server import Limits, Served, create_app
+from serving.server import Background, Limits, Served, create_app
 
 KEY = "test-key"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, served, limits, api_key=KEY):
-        import uvicorn
-
         self.app = create_app(served, limits, api_key)
-        self.port = _port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._background = Background(self.app)
+        self.url = self._background.__enter__()
 
     def client(self, **kw):
         from openai import OpenAI
@@ -48,8 +30,7 @@ class _Server:
         return OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, **kw)
 
     def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self._background.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +53,9 @@ CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 def _chat(client, served, stream=False, **extra):
-    body = dict(model=served.model_id, messages=CHAT, max_tokens=extra.pop("max_tokens", 24),
-                temperature=extra.pop("temperature", 0.0))
+    body = {"model": served.model_id, "messages": CHAT,
+            "max_tokens": extra.pop("max_tokens", 24),
+            "temperature": extra.pop("temperature", 0.0)}
     if "seed" in extra:
         body["seed"] = extra.pop("seed")
     if "stop" in extra:
@@ -91,8 +73,7 @@ def _chat(client, served, stream=False, **extra):
 def test_chat_completions_models_and_the_speculation_usage(server, served):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [served.model_id]
-    text, finish, usage, _ = _chat(client, served, draft_model="self",
-                                   max_speculative_tokens=4)
+    text, _, usage, _ = _chat(client, served, draft_model="self", max_speculative_tokens=4)
     extra = usage.model_extra
     assert usage.completion_tokens > 0 and usage.total_tokens == (usage.prompt_tokens
                                                                   + usage.completion_tokens)
