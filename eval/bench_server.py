@@ -18,7 +18,6 @@ Prints p50/p99 latency and time to first token, aggregate tokens/s, 429s.
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -122,7 +121,7 @@ def main() -> None:
     served = Served(cfg, parse_drafts(args.draft), torch.device("cpu"))
     conversations, _ = load_mtbench()
     prompts = [c.first_turn() for c in conversations[: args.prompts]]
-    drafts = [d for d in served.drafts]
+    drafts = list(served.drafts)
     print(f"[bench] {served.model_id} ({cfg.model.dtype}), drafts {drafts}, {args.clients} "
           f"clients, {args.requests} requests per phase, {args.max_tokens} new tokens, greedy, "
           f"k={args.k}, max batch {args.max_batch}, torch threads {torch.get_num_threads()}",
@@ -148,8 +147,8 @@ def main() -> None:
             url, served.model_id, prompts, args.clients * args.overload, args.requests,
             args.max_tokens, {"draft_model": best, "max_speculative_tokens": args.k},
             reference, args.kill_every)
-    print(f"\n| speculation | requests | ok | 429 | killed | lost | differs | p50 s | p99 s | "
-          f"TTFT p50 s | tokens/s | tau |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| speculation | requests | ok | 429 | killed | lost | differs | p50 s | p99 s | "
+          "TTFT p50 s | tokens/s | tau |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
         print(f"| {name} | {r['requests']} | {r['ok']} | {r['429']} | {r['killed']} | "
