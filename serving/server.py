@@ -704,10 +704,9 @@ def vllm_command(cfg: Config, host: str, port: int, api_key: str | None) -> list
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())
     target = resolve_target(cfg.model)
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               target.path, "--served-model-name", model_id(cfg), "--host", host, "--port",
-               str(port), "--dtype", cfg.model.dtype, "--speculative-config",
-               json.dumps(speculative)]
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", target.path,
+               "--served-model-name", model_id(cfg), "--host", host, "--port", str(port),
+               "--dtype", cfg.model.dtype, "--speculative-config", json.dumps(speculative)]
     if api_key:
         command += ["--api-key", api_key]
     return command
@@ -746,7 +745,13 @@ def main(argv: list[str] | None = None) -> int:
                   + " ".join(command[:3] + ["..."]), flush=True)
             import subprocess
 
-            return subprocess.call(command)
+            from assets.target import vllm_cpu_environment
+            from recipe import cache_root
+
+            env = dict(os.environ)
+            if not torch.cuda.is_available():  # vLLM for CPU: cores bound, a bounded KV cache
+                env.update(vllm_cpu_environment(str(cache_root())))
+            return subprocess.call(command, env=env)
         device = torch.device("cpu")
         served = Served(cfg, parse_drafts(args.draft), device)
     except ConfigError as e:

@@ -232,3 +232,27 @@ def test_a_full_queue_answers_429_and_a_client_leaving_frees_its_slot(served):
     finally:
         slow.remove()
         s.close()
+
+
+def test_the_vllm_engine_command_serves_the_export_and_vllm_parses_it(tiny_target, tmp_path):
+    """--engine vllm: vLLM's own server on the target with the exported speculative config;
+    its argument parser (the pinned vLLM's) takes every flag we pass."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serving.server import vllm_command
+
+    cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path}"])
+    with pytest.raises(Exception, match="serving.export"):
+        vllm_command(cfg, "127.0.0.1", 8001, None)
+    folder = tmp_path / "export" / "eagle3"
+    folder.mkdir(parents=True)
+    (folder / "vllm_speculative_config.json").write_text(json.dumps(
+        {"method": "eagle3", "num_speculative_tokens": 4}))
+    command = vllm_command(cfg, "127.0.0.1", 8001, "k")
+    assert command[3:5] == ["serve", str(tiny_target)]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", *command[4:]])
+    assert args.speculative_config == {"method": "eagle3", "num_speculative_tokens": 4,
+                                       "model": str(folder.resolve())}
+    assert (args.host, args.port, args.api_key, args.dtype) == ("127.0.0.1", 8001, ["k"],
+                                                                cfg.model.dtype)
