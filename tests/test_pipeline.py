@@ -13,8 +13,7 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.mark.parametrize(("recipe", "draft", "methods"), [
-    ("smollm2-135m-independent", "layer-truncated:1",
-     {"target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup"}),
+    ("smollm2-135m-independent", "layer-truncated:1", {"target", "speculative", "prompt_lookup"}),
     ("smollm2-135m-medusa", "medusa:2", {"target", "hf_generate", "speculative", "prompt_lookup"}),
     ("smollm2-135m-eagle3", "eagle3", {"target", "hf_generate", "speculative", "prompt_lookup"}),
 ])
