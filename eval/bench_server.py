@@ -96,7 +96,7 @@ def run_phase(url: str, model: str, prompts: list[list[dict]], clients: int, req
         "p99_s": _quantile([r["latency"] for r in ok], 0.99),
         "ttft_p50_s": _quantile([r["ttft"] for r in ok if r["ttft"] is not None], 0.5),
         "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "wall_s": wall,
-        "tau": 1 + accepted / steps if steps else None, "drafted": drafted,
+        "tau": 1 + accepted / steps if steps and drafted else None, "drafted": drafted,
         "errors": [r["error"] for r in rows if "error" in r][:3],
         "texts": {r["prompt"]: r["text"] for r in ok}}
 
