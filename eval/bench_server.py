@@ -147,7 +147,7 @@ def main() -> None:
             url, served.model_id, prompts, args.clients * args.overload, args.requests,
             args.max_tokens, {"draft_model": best, "max_speculative_tokens": args.k},
             reference, args.kill_every)
-    print("\n| speculation | requests | ok | 429 | killed | lost | differs | p50 s | p99 s | "
+    print("\n| speculation | requests | ok | 429 | abandoned | lost | differs | p50 s | p99 s | "
           "TTFT p50 s | tokens/s | tau |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         tau = f"{r['tau']:.3f}" if r["tau"] else "-"
