@@ -3,8 +3,8 @@
     .venv/bin/python -m eval.bench_server --config configs/smollm2-135m-independent.yaml \\
         [--clients 4] [--requests 16] [--max-tokens 64] [--draft NAME=SPEC] [--kill-every 4]
 
-The server runs in this process (a uvicorn thread, the recipe's target and dtype); --clients
-threads of the official openai client stream greedy chat completions of MT-bench first turns,
+The server runs as its own process (`python -m serving.server`, the recipe's target and dtype,
+started and stopped here, as a user would run it); --clients threads of the official openai client stream greedy chat completions of MT-bench first turns,
 --requests in all per phase. Phases: speculation off; on with each draft given (the run's
 trained draft by default, and 'ngram'); then the same with --overload x more clients than the
 queue holds. Every response is compared with the text the server gives the same prompt alone
@@ -18,18 +18,19 @@ Prints p50/p99 latency and time to first token, aggregate tokens/s, 429s.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from assets.prompts import load_mtbench
-from recipe import load_config
-from serving.server import Background, Limits, Served, create_app, parse_drafts
 
 
 def _quantile(values: list[float], q: float) -> float:
+    """Nearest rank (the figures in README); nan for no value."""
     if not values:
         return float("nan")
     values = sorted(values)
@@ -101,6 +102,37 @@ def run_phase(url: str, model: str, prompts: list[list[dict]], clients: int, req
         "texts": {r["prompt"]: r["text"] for r in ok}}
 
 
+@contextlib.contextmanager
+def server(config: str, overrides: list[str], drafts: list[str], max_queue: int,
+           max_batch: int, max_tokens: int):
+    """`python -m serving.server` on a free port of 127.0.0.1 -> (its url, /v1/models' entry)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "serving.server", "--config", config, "--port", str(port),
+               "--max-queue", str(max_queue), "--max-batch", str(max_batch), "--max-tokens",
+               str(max_tokens), *[f"--draft={d}" for d in drafts], *overrides]
+    proc = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with {proc.returncode}: {' '.join(command)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise SystemExit("the server did not answer /health within 600 s")
+            time.sleep(1)
+        yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,35 +148,28 @@ def main() -> None:
     parser.add_argument("--overload", type=int, default=3,
                         help="the overload phase: this many times --clients, queue of --clients")
     args, overrides = parser.parse_known_args()
-    cfg = load_config(args.config, overrides)
-    torch.manual_seed(cfg.run.seed)
-    served = Served(cfg, parse_drafts(args.draft), torch.device("cpu"))
     conversations, _ = load_mtbench()
     prompts = [c.first_turn() for c in conversations[: args.prompts]]
-    drafts = list(served.drafts)
-    print(f"[bench] {served.model_id} ({cfg.model.dtype}), drafts {drafts}, {args.clients} "
-          f"clients, {args.requests} requests per phase, {args.max_tokens} new tokens, greedy, "
-          f"k={args.k}, max batch {args.max_batch}, torch threads {torch.get_num_threads()}",
-          flush=True)
-    limits = Limits(max_queue=max(64, args.clients), max_batch=args.max_batch,
-                    max_tokens=args.max_tokens)
     results = {}
-    with Background(create_app(served, limits)) as url:
-        alone = run_phase(url, served.model_id, prompts, 1, len(prompts), args.max_tokens,
+    start = (args.config, overrides, args.draft)
+    with server(*start, max(64, args.clients), args.max_batch, args.max_tokens) as (url, model):
+        drafts = model["drafts"]
+        print(f"[bench] {model['id']}, drafts {drafts}, {args.clients} clients, {args.requests} "
+              f"requests per phase, {args.max_tokens} new tokens, greedy, k={args.k}, max batch "
+              f"{args.max_batch}", flush=True)
+        alone = run_phase(url, model["id"], prompts, 1, len(prompts), args.max_tokens,
                           {"speculative_decoding": False}, None, 0)
         reference = alone["texts"]
         phases = [("off", {"speculative_decoding": False})] + [
             (name, {"draft_model": name, "max_speculative_tokens": args.k}) for name in drafts]
         for name, extra in phases:
-            results[name] = run_phase(url, served.model_id, prompts, args.clients,
-                                      args.requests, args.max_tokens, extra, reference,
-                                      args.kill_every)
+            results[name] = run_phase(url, model["id"], prompts, args.clients, args.requests,
+                                      args.max_tokens, extra, reference, args.kill_every)
             print(f"[bench] {name}: {results[name]['tokens_per_s']:.1f} tokens/s", flush=True)
-    busy = Limits(max_queue=args.clients, max_batch=args.max_batch, max_tokens=args.max_tokens)
-    with Background(create_app(served, busy)) as url:
-        best = max(drafts, key=lambda n: results[n]["tokens_per_s"])
+    best = max(drafts, key=lambda n: results[n]["tokens_per_s"])
+    with server(*start, args.clients, args.max_batch, args.max_tokens) as (url, model):
         results[f"{best}, overloaded"] = run_phase(
-            url, served.model_id, prompts, args.clients * args.overload, args.requests,
+            url, model["id"], prompts, args.clients * args.overload, args.requests,
             args.max_tokens, {"draft_model": best, "max_speculative_tokens": args.k},
             reference, args.kill_every)
     print("\n| speculation | requests | ok | 429 | abandoned | lost | differs | p50 s | p99 s | "
