@@ -15,7 +15,7 @@ through the openai client's extra_body:
 usage carries the OpenAI counts and the speculation figures: drafted and accepted tokens,
 verification steps, tau, latency_ms, time_to_first_token_ms, queue_ms.
 
-Batching is step-level: greedy requests that wait together with the same draft and k are
+Batching is static: greedy requests that wait together with the same draft and k are
 decoded as one left-padded batch by decoding.engine.generate; a request arriving while a batch
 runs waits for the next one (no continuous batching). Sampled requests decode alone, so that
 their seed alone decides their text. The queue is bounded (--max-queue requests waiting or
@@ -158,7 +158,7 @@ class Served:
 
 
 class Scheduler:
-    """One worker thread that decodes jobs in step-level batches; a bounded queue."""
+    """One worker thread that decodes jobs in static batches; a bounded queue."""
 
     def __init__(self, served: Served, limits: Limits, metrics: Metrics):
         self.served, self.limits, self.metrics = served, limits, metrics
@@ -180,6 +180,16 @@ class Scheduler:
             self.metrics.set_queue(self._admitted)
             self._cond.notify()
         return True
+
+    def waiting(self) -> int:
+        """Jobs queued and not yet in a batch."""
+        with self._cond:
+            return len(self._waiting)
+
+    def admitted(self) -> int:
+        """Jobs waiting or running."""
+        with self._cond:
+            return self._admitted
 
     def close(self) -> None:
         with self._cond:
@@ -232,6 +242,7 @@ class Scheduler:
                 batch.remove(job)
             if not batch:
                 continue
+            self.batches.append(len(batch))
             try:
                 self._decode(batch)
             except Exception as e:  # noqa: BLE001 - every job gets an answer, the server lives
@@ -239,7 +250,6 @@ class Scheduler:
                 for job in batch:
                     self._send(job, ("error", f"decoding failed: {type(e).__name__}"))
                     self._release(job)
-            self.batches.append(len(batch))
 
     def _send(self, job: Job, event) -> None:
         job.loop.call_soon_threadsafe(job.events.put_nowait, event)

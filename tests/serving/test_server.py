@@ -5,6 +5,7 @@ accepted)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -197,11 +198,39 @@ def test_concurrent_greedy_requests_are_batched_and_answer_as_alone(server, serv
         return r.choices[0].message.content
 
     alone = [ask(p) for p in prompts]
-    before = len(server.app.state.scheduler.batches)
-    with ThreadPoolExecutor(6) as pool:
-        together = list(pool.map(ask, prompts))
+    # Deterministic arrival: a blocker request (another batch key) holds the worker at its
+    # first forward until all six are queued, so the next batch takes them together.
+    scheduler = server.app.state.scheduler
+    gate = threading.Event()
+    before = len(scheduler.batches)
+
+    def held(*_) -> None:  # a pre-hook returning a value would replace the forward's args
+        gate.wait(60)
+
+    hold = served.target.register_forward_pre_hook(held)
+    try:
+        with ThreadPoolExecutor(7) as pool:
+            blocker = pool.submit(lambda: client.chat.completions.create(
+                model=served.model_id, messages=CHAT, max_tokens=2, temperature=0.0,
+                extra_body={"speculative_decoding": False}))
+            _wait_for(lambda: scheduler.waiting() == 0 and scheduler.admitted() == 1)
+            together = [pool.submit(ask, p) for p in prompts]
+            _wait_for(lambda: scheduler.waiting() == len(prompts))
+            gate.set()
+            together = [f.result() for f in together]
+            blocker.result()
+    finally:
+        gate.set()
+        hold.remove()
     assert together == alone
-    assert max(server.app.state.scheduler.batches[before:]) > 1  # some were decoded together
+    assert scheduler.batches[before:] == [1, len(prompts)]  # the blocker, then all six at once
+
+
+def _wait_for(condition, seconds=60):
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "the server did not reach the expected queue state"
+        time.sleep(0.01)
 
 
 def test_a_full_queue_answers_429_and_a_client_leaving_frees_its_slot(served):
