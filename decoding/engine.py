@@ -8,7 +8,8 @@ target forward with a tree mask, accepted by the lossless walk of decoding/tree.
 (tree_step).
 
 When sampling, the draft proposes at settings.draft_temperature if set (0: argmax drafting with a
-one-hot q, vLLM's default), else at the target's settings.
+one-hot q, vLLM's and llama.cpp's default), else at the target's settings; settings.draft_top_k
+filters its q instead of the target's top_k (llama.cpp's probabilistic drafting: 10).
 
 Without a draft the same loop is plain target decoding (k = 0: every step emits the bonus token).
 Batches of any size: rows accept different numbers of tokens, their caches keep holes instead
@@ -172,9 +173,12 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     # what the draft samples at: the target's settings, or its own temperature (0: argmax)
     drafting = settings
-    if settings.draft_temperature is not None and settings.temperature > 0:
-        argmax = {"top_p": 1.0, "top_k": 0} if settings.draft_temperature == 0 else {}
-        drafting = replace(settings, temperature=settings.draft_temperature, **argmax)
+    if settings.temperature > 0 and settings.draft_temperature == 0:
+        drafting = replace(settings, temperature=0.0, top_p=1.0, top_k=0)
+    elif settings.temperature > 0:
+        own = {} if settings.draft_top_k is None else {"top_k": settings.draft_top_k}
+        drafting = replace(settings, temperature=settings.draft_temperature
+                           or settings.temperature, **own)
 
     start = time.perf_counter()
     first = torch.multinomial(probs(target_lm.prefill(input_ids, attention_mask)), 1,

@@ -175,7 +175,12 @@ class DecodeSettings:
     """The temperature the draft proposes at when temperature > 0 (lossless whatever it is: the
     verification uses the q the tokens came from). None: the target's (standard speculative
     sampling). 0: argmax drafting, q one-hot, so a draft token is accepted with probability
-    p(token): what vLLM does by default (draft_sample_method 'greedy') and llama.cpp does."""
+    p(token): what vLLM and llama.cpp do by default (vLLM's draft_sample_method 'greedy',
+    llama.cpp's --spec-draft-sampling greedy)."""
+    draft_top_k: int | None = None
+    """The top-k filter of the draft's q when it samples (temperature > 0, draft_temperature not
+    0). None: the target's top_k. llama.cpp's probabilistic drafting keeps the draft's 10
+    likeliest tokens (its spec_retune: top_k 10, then the request's temperature)."""
     k: int = 4
     """Draft tokens per target forward (the start value when adaptive_k)."""
     adaptive_k: bool = False
@@ -225,6 +230,9 @@ class DecodeSettings:
         if self.draft_temperature is not None and self.draft_temperature < 0:
             raise ConfigError(f"{at}draft_temperature={self.draft_temperature} must be >= 0 (0 "
                               "for argmax drafting) or null for the target's temperature.")
+        if self.draft_top_k is not None and self.draft_top_k < 0:
+            raise ConfigError(f"{at}draft_top_k={self.draft_top_k} must be >= 0 (0: no filter) "
+                              "or null for the target's top_k.")
         if self.temperature == 0 and (self.top_p != 1.0 or self.top_k != 0):
             raise ConfigError(f"{at}top_p/top_k have no effect with greedy decoding "
                               f"({at}temperature=0): set a temperature or drop them.")

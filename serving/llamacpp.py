@@ -264,7 +264,9 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """llama-server on 127.0.0.1 for one target (and draft), one slot, greedy by default.
+    """llama-server on 127.0.0.1 for one target (and draft), one slot, greedy by default. At a
+    request's temperature > 0 the draft proposes its argmax (draft_sampling 'greedy', llama.cpp's
+    default) or samples its top 10 ('probabilistic', verified by rejection sampling).
 
     with LlamaServer(llama, target_gguf, draft_gguf, "draft-simple", k=3) as server:
         server.complete(prompt_ids, max_tokens=64) -> generated token ids
@@ -273,7 +275,7 @@ class LlamaServer:
 
     def __init__(self, llama: LlamaCpp, target: Path, draft: Path | None = None,
                  spec_type: str | None = None, k: int = 0, context: int = 2048,
-                 threads: int | None = None):
+                 threads: int | None = None, draft_sampling: str = "greedy"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [str(llama.server), "-m", str(target), "--host", "127.0.0.1",
@@ -283,7 +285,7 @@ class LlamaServer:
             # a fixed k: never stop a draft early on its confidence, never discard a short one
             self.command += ["-md", str(draft), "--spec-type", spec_type,
                              "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
-                             "--spec-draft-p-min", "0"]
+                             "--spec-draft-p-min", "0", "--spec-draft-sampling", draft_sampling]
 
     def __enter__(self) -> Self:
         import tempfile

@@ -171,10 +171,10 @@ class OurRun:
 
 
 def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-            draft_temperature: float | None = None) -> OurRun:
-    """draft_temperature: what our draft proposes at when sampling (DecodeSettings: None the
-    target's temperature, 0 argmax drafting as vLLM does by default, other values a draft
-    deliberately unlike the engine's)."""
+            draft_temperature: float | None = None, draft_top_k: int | None = None) -> OurRun:
+    """draft_temperature, draft_top_k: how our draft proposes when sampling (DecodeSettings:
+    None the target's temperature / top_k, 0 argmax drafting as vLLM and llama.cpp do by
+    default, other values a draft deliberately unlike the engine's)."""
     from eval.speculative import engine_runner, measure, method_result
 
     trained = cfg.run.output_path / "train" / "draft"
@@ -191,7 +191,8 @@ def our_run(cfg: Config, k: int, temperature: float = 0.0, top_p: float = 1.0, t
     draft = load_draft(str(trained), target, tokenizer, torch.float32, device)
     settings = DecodeSettings(max_new_tokens=cfg.eval.max_new_tokens, k=k,
                               batch_size=cfg.eval.batch_size, temperature=temperature,
-                              top_p=top_p, top_k=top_k, draft_temperature=draft_temperature)
+                              top_p=top_p, top_k=top_k, draft_temperature=draft_temperature,
+                              draft_top_k=draft_top_k)
     runner = engine_runner(target, settings, eos, pad, tokenizer, engine_draft(draft),
                            cfg.run.seed)
     m = measure({"speculative": runner}, [prompts], log=lambda *a, **kw: None)["speculative"]
@@ -224,12 +225,14 @@ def tau_interval(drafts: int, accepted_per_position: list[int], design_effect: f
     return 1 + mean - half, 1 + mean + half
 
 
-def alpha_intervals(drafts: int, accepted_per_position: list[int], design_effect: float = 1.0,
-                    z: float = 1.96) -> list[tuple[float, float]]:
-    """95 % interval of each alpha_j = c_j / N (a proportion of drafting steps)."""
-    n = max(drafts, 1)
+def alpha_intervals(drafts: int | list[int], accepted_per_position: list[int],
+                    design_effect: float = 1.0, z: float = 1.96) -> list[tuple[float, float]]:
+    """95 % interval of each alpha_j = c_j / N_j (a proportion of the drafting steps that
+    drafted position j: N_j = drafts, or drafts[j] where an engine drafted fewer at the end)."""
+    counts = drafts if isinstance(drafts, list) else [drafts] * len(accepted_per_position)
     out = []
-    for c in accepted_per_position:
+    for c, steps in zip(accepted_per_position, counts):
+        n = max(steps, 1)
         a = c / n
         half = z * (a * (1 - a) * design_effect / n) ** 0.5
         out.append((a - half, a + half))
@@ -382,8 +385,9 @@ verification of k+1 tokens at once (matrix-matrix kernels) rounds differently fr
 one-token decoding (matrix-vector), so a continuation that wins by less than this can flip."""
 
 
-def validate_llamacpp(cfg: Config, folder: Path | None = None,
-                      tolerance: float = 0.05) -> Validation:
+def validate_llamacpp(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
+                      temperature: float = 0.0, draft_sampling: str = "greedy",
+                      draft_temperature: float | None = None) -> Validation:
     """llama.cpp's llama-server against our engine, greedy, on the GGUF export (f32): the target
     alone, then with the draft (--spec-type from the export, a fixed k: p-min 0, n-min 0), one
     request per eval prompt given as token ids, counters read after each (llama-server's
@@ -394,21 +398,16 @@ def validate_llamacpp(cfg: Config, folder: Path | None = None,
     its text without it at a near-tie. Such a divergence passes when our fp32 target's two
     candidates are within TIE_GAP (a tie), and fails otherwise. tau and alpha_k are compared on
     the prompts where llama.cpp's text with the draft equals our engine's (same trajectory,
-    same counts expected), with the vLLM check's tolerances."""
-    from serving.llamacpp import LlamaServer, check_same_vocabulary, ensure_llamacpp
+    same counts expected), with the vLLM check's tolerances.
 
-    folder = export_folder(cfg, folder, gguf=True)
-    spec = json.loads((folder / "llamacpp.json").read_text())
-    if spec["outtype"] != "f32":
-        raise ConfigError(f"{folder} holds {spec['outtype']} weights: the comparison with our "
-                          "fp32 engine needs f32 (serving.export --format gguf --gguf-type f32).")
-    target, draft = Path(spec["target"]), folder / spec["draft"]
-    for path in (target, draft):
-        if not path.is_file():
-            raise ConfigError(f"{path} is missing: export again (serving.export --format gguf).")
-    check_same_vocabulary(target, draft)
+    temperature > 0: the sampled comparison instead (validate_llamacpp_sampled)."""
+    from serving.llamacpp import LlamaServer
+
+    if temperature > 0:
+        return validate_llamacpp_sampled(cfg, folder, temperature, draft_sampling,
+                                         draft_temperature)
+    folder, spec, target, draft, llama = _gguf_export(cfg, folder)
     k = spec["num_speculative_tokens"]
-    llama = ensure_llamacpp()
     ours = our_run(cfg, k)
     n = cfg.eval.max_new_tokens
     runs, timings, per_prompt = {}, {}, []
@@ -461,6 +460,91 @@ def validate_llamacpp(cfg: Config, folder: Path | None = None,
         "compared_prompts": same, "numerical_ties": ties, "tie_gap": TIE_GAP,
         "tau_ours_all_prompts": ours.result.tau, "llama_cpp_per_prompt": per_prompt,
         "llama_cpp_build_seconds": llama.build_seconds})
+
+
+def _gguf_export(cfg: Config, folder: Path | None):
+    """The GGUF export's (folder, llamacpp.json, target gguf, draft gguf, llama.cpp build)."""
+    from serving.llamacpp import check_same_vocabulary, ensure_llamacpp
+
+    folder = export_folder(cfg, folder, gguf=True)
+    spec = json.loads((folder / "llamacpp.json").read_text())
+    if spec["outtype"] != "f32":
+        raise ConfigError(f"{folder} holds {spec['outtype']} weights: the comparison with our "
+                          "fp32 engine needs f32 (serving.export --format gguf --gguf-type f32).")
+    target, draft = Path(spec["target"]), folder / spec["draft"]
+    for path in (target, draft):
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: export again (serving.export --format gguf).")
+    check_same_vocabulary(target, draft)
+    return folder, spec, target, draft, ensure_llamacpp()
+
+
+LLAMACPP_DRAFT_TOP_K = 10
+"""llama.cpp's probabilistic drafting samples the draft's 10 likeliest tokens at the request's
+temperature (common/speculative.cpp, spec_retune: top_k 10, then temperature)."""
+
+
+def validate_llamacpp_sampled(cfg: Config, folder: Path | None = None, temperature: float = 1.0,
+                              draft_sampling: str = "greedy",
+                              draft_temperature: float | None = None) -> Validation:
+    """llama.cpp against our engine at temperature T > 0 (no top-p, top-k or min-p on either
+    side): the 95 % intervals of tau and each alpha_k must overlap (sampling_verdict), pooled
+    over every eval prompt (one seed per prompt; texts are not comparable one by one).
+
+    How llama.cpp drafts and verifies (tools/server/server-context.cpp, common/sampling.cpp):
+    --spec-draft-sampling greedy (its default) proposes the draft's argmax and accepts it when
+    the target's own sample equals it: probability p(x), the replacement drawn from p without x,
+    which is our argmax drafting (draft_temperature 0). 'probabilistic' samples the draft's top
+    10 at T and accepts with min(1, p/q), resampling from max(p - q, 0): our draft at T with
+    draft_top_k 10. draft_temperature overrides our side's temperature on purpose: a draft that
+    proposes unlike llama.cpp's, which the check must catch. llama.cpp trims a request's last
+    draft to the tokens left; alpha_j counts the steps that drafted position j."""
+    from serving.llamacpp import LlamaServer
+
+    if draft_sampling not in ("greedy", "probabilistic"):
+        raise ConfigError(f"llama.cpp's draft sampling {draft_sampling!r} is not one it knows: "
+                          "'greedy' or 'probabilistic' (--spec-draft-sampling).")
+    folder, spec, target, draft, llama = _gguf_export(cfg, folder)
+    k = spec["num_speculative_tokens"]
+    as_engine = 0.0 if draft_sampling == "greedy" else None
+    ours_t = as_engine if draft_temperature is None else draft_temperature
+    ours = our_run(cfg, k, temperature, draft_temperature=ours_t,
+                   draft_top_k=None if draft_sampling == "greedy" else LLAMACPP_DRAFT_TOP_K)
+    n, per_prompt, outputs = cfg.eval.max_new_tokens, [], []
+    server = LlamaServer(llama, target, draft, spec["spec_type"], k, draft_sampling=draft_sampling)
+    with server:
+        start, before = time.perf_counter(), server.counters()
+        for j, prompt in enumerate(ours.prompts):
+            outputs.append(server.complete(prompt, n, temperature, seed=cfg.run.seed + j))
+            after = server.counters()
+            per_prompt.append(_delta(after, before, k))
+            before = after
+        seconds = time.perf_counter() - start
+    tau_engine, alpha_engine, steps = _pooled(per_prompt, k)
+    accepted = [sum(r["accepted_per_position"][j] for r in per_prompt
+                    if j < len(r["accepted_per_position"])) for j in range(k)]
+    drafted = [sum(column) for column in zip(*[drafted_per_position(r, k) for r in per_prompt])]
+    effect = design_effect(ours.stats)
+    our_steps, our_positions = _summed(ours.stats)
+    intervals = {"ours": tau_interval(our_steps, our_positions, effect),
+                 "engine": tau_interval(steps, accepted, effect),
+                 "alpha_ours": alpha_intervals(our_steps, our_positions, effect),
+                 "alpha_engine": alpha_intervals(drafted or [0] * k, accepted, effect)}
+    failures = sampling_verdict(intervals["ours"], intervals["engine"], intervals["alpha_ours"],
+                                intervals["alpha_engine"], steps, "llama.cpp")
+    result = Validation(
+        method=spec["spec_type"], k=k, prompts=len(ours.prompts), tau_ours=ours.result.tau,
+        tau_engine=tau_engine, alpha_ours=ours.result.alpha, alpha_engine=alpha_engine,
+        relative_difference=abs(tau_engine - ours.result.tau) / ours.result.tau,
+        tolerance=0.0, identical_engine_texts=0, identical_to_our_engine=0,
+        tokens_per_s_engine=sum(map(len, outputs)) / seconds, tokens_per_s_engine_target=0.0,
+        drafts_engine=steps, engine="llama.cpp", failures=failures)
+    return _finish(cfg, result, ours, folder, {
+        "temperature": temperature, "intervals": intervals, "design_effect": effect,
+        "steps_ours": our_steps, "draft_temperature_ours": ours_t,
+        "draft_temperature_engine": as_engine, "draft_sampling": draft_sampling,
+        "draft_top_k_ours": None if draft_sampling == "greedy" else LLAMACPP_DRAFT_TOP_K,
+        "llama_cpp_per_prompt": per_prompt})
 
 
 def _delta(after: dict, before: dict, k: int) -> dict:
@@ -516,24 +600,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="greedy: largest relative tau difference, and largest absolute "
                              "alpha_k difference, accepted (default 0.05)")
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="vLLM: > 0 compares sampled runs by 95 %% intervals (default 0)")
+                        help="> 0 compares sampled runs by 95 %% intervals (default 0)")
+    parser.add_argument("--llamacpp-draft-sampling", choices=["greedy", "probabilistic"],
+                        default="greedy",
+                        help="llamacpp at --temperature > 0: llama.cpp's --spec-draft-sampling "
+                             "(greedy, its default: argmax drafting; probabilistic: the "
+                             "draft's top 10 sampled, rejection sampling); ours drafts alike")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--our-draft-temperature", type=float, default=None,
                         help="with --temperature: our draft proposes at this temperature "
-                             "instead of as vLLM's does (vLLM's default draft_sample_method "
-                             "'greedy' is argmax drafting, 0); a draft unlike the engine's on "
-                             "purpose shows what the check catches")
+                             "instead of as the engine's does (vLLM's and llama.cpp's default "
+                             "is argmax drafting, 0); a draft unlike the engine's on purpose "
+                             "shows what the check catches")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
         if args.engine == "llamacpp":
-            if args.temperature > 0:
-                raise ConfigError("--engine llamacpp compares greedy runs only: drop "
-                                  "--temperature (the sampled check runs in vLLM).")
-            r = validate_llamacpp(cfg, args.folder, args.tolerance)
+            r = validate_llamacpp(cfg, args.folder, args.tolerance, args.temperature,
+                                  args.llamacpp_draft_sampling, args.our_draft_temperature)
         else:
             r = validate(cfg, args.folder, args.tolerance, args.enforce_eager, args.temperature,
                          args.top_p, args.top_k, args.our_draft_temperature)
@@ -545,16 +632,18 @@ def main(argv: list[str] | None = None) -> int:
           f"| {r.engine} ({r.method}) | {r.tau_engine:.3f} | "
           f"{' '.join(f'{a:.3f}' for a in r.alpha_engine)} |")
     if args.temperature > 0:
-        report = json.loads((cfg.run.output_path / "validate" / "results.json").read_text())
+        name = "results.json" if r.engine == "vLLM" else "results-llamacpp.json"
+        report = json.loads((cfg.run.output_path / "validate" / name).read_text())
         lo, hi = report["intervals"]["ours"]
         elo, ehi = report["intervals"]["engine"]
         ours_t, engine_t = report["draft_temperature_ours"], report["draft_temperature_engine"]
         print(f"T={args.temperature}: tau 95 % intervals: ours [{lo:.3f}, {hi:.3f}] over "
-              f"{report['steps_ours']} steps, vLLM [{elo:.3f}, {ehi:.3f}] over {r.drafts_engine}"
-              f" (design effect {report['design_effect']:.2f}); drafts proposed at "
-              f"{_drafting(ours_t, args.temperature)} in ours, "
-              f"{_drafting(engine_t, args.temperature)} in vLLM "
-              f"(draft_sample_method {report['draft_sample_method']!r})")
+              f"{report['steps_ours']} steps, {r.engine} [{elo:.3f}, {ehi:.3f}] over "
+              f"{r.drafts_engine} (design effect {report['design_effect']:.2f}); drafts "
+              f"proposed at {_drafting(ours_t, args.temperature)} in ours, "
+              f"{_drafting(engine_t, args.temperature)} in {r.engine} ("
+              + (f"draft_sample_method {report['draft_sample_method']!r})" if r.engine == "vLLM"
+                 else f"--spec-draft-sampling {report['draft_sampling']})"))
     else:
         print(f"{r.engine} texts with the draft identical to without: "
               f"{r.identical_engine_texts}/{r.prompts}; to our engine's: "

@@ -200,15 +200,19 @@ if __name__ == "__main__":  # the figures: python -m tests.decoding.test_samplin
               f"{sum(s.accepted_ngram for s in out.stats)} | {p:.3g} |")
 
 
-@pytest.mark.parametrize("draft_temperature", [0.0, 2.0])
+@pytest.mark.parametrize(("draft_temperature", "draft_top_k"), [(0.0, None), (2.0, None),
+                                                                 (None, 2)])
 @pytest.mark.parametrize("kind", ["independent", "eagle3"])
 def test_a_draft_at_its_own_temperature_keeps_the_targets_distribution(target, kind,
-                                                                       draft_temperature):
-    """draft_temperature 0 (argmax drafting, one-hot q: vLLM's default) or another temperature
-    than the target's changes only acceptance, never the output distribution."""
+                                                                       draft_temperature,
+                                                                       draft_top_k):
+    """draft_temperature 0 (argmax drafting, one-hot q: vLLM's and llama.cpp's default), another
+    temperature than the target's, or another top-k filter (llama.cpp's probabilistic drafting
+    keeps 10) change only acceptance, never the output distribution."""
     prompts, ids, mask = _batch()
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=1.0, top_p=0.9,
-                              top_k=6, draft_temperature=draft_temperature)
+                              top_k=6, draft_temperature=draft_temperature,
+                              draft_top_k=draft_top_k)
     draft = _draft(kind, target)
     seen = []
     propose = draft.propose
@@ -221,9 +225,11 @@ def test_a_draft_at_its_own_temperature_keeps_the_targets_distribution(target, k
     draft.propose = spy
     out = generate(target, ids, mask, settings, {VOCAB + 1}, draft,
                    generator=torch.Generator().manual_seed(3))
-    assert {t for t, _ in seen} == {draft_temperature}
+    assert {t for t, _ in seen} == {1.0 if draft_temperature is None else draft_temperature}
     if draft_temperature == 0:  # one-hot q: each proposal is the draft's argmax
         assert all(bool(((q == 0) | (q == 1)).all()) for _, q in seen)
+    if draft_top_k is not None:  # the draft's own filter, not the target's top_k=6
+        assert max(int((q > 0).sum(-1).max()) for _, q in seen) <= draft_top_k
     accepted = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
     assert 0.02 < accepted < 0.98
     assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3

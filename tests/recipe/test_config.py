@@ -66,6 +66,7 @@ def test_unknown_key_in_yaml_lists_valid_keys(tmp_path):
     (["eval.methods=[target, medusa]"], "choose from"),
     (["eval.k=0"], r"must be in \[1, 64\]"),
     (["eval.draft_temperature=-0.5"], "0 for argmax drafting"),
+    (["eval.draft_top_k=-1"], "null for the target's top_k"),
     (["eval.methods=[target, hf_assisted]", "eval.batch_size=4"], "batch 1 only"),
 ])
 def test_contradictions_rejected(overrides, message):

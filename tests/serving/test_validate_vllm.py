@@ -302,13 +302,21 @@ def _llama_cfg(recipe: str, cfg):
     return load_config(recipe, [f"run.output_dir={cfg.run.output_path}", *LLAMA])
 
 
-def test_llamacpp_accepts_what_our_engine_accepts(run):
+@pytest.fixture(scope="module")
+def llama_run(run):
+    """The run's draft (28 of the target's 30 layers) as GGUF, k=3."""
     from serving.export import export_gguf
-    from serving.validate import validate_llamacpp
 
     cfg = _llama_cfg("configs/smollm2-135m-independent.yaml", run[0])
     exported = export_gguf(cfg, k=3)
     assert exported.method == "draft-simple" and (exported.folder / "draft-f32.gguf").is_file()
+    return cfg
+
+
+def test_llamacpp_accepts_what_our_engine_accepts(llama_run):
+    from serving.validate import validate_llamacpp
+
+    cfg = llama_run
     result = validate_llamacpp(cfg)
     assert result.engine == "llama.cpp" and result.tau_ours > 1.5, result
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
@@ -323,6 +331,24 @@ def _texts_kept(cfg) -> dict:
     assert report["identical_engine_texts"] + len(report["numerical_ties"]) == 2, report
     assert report["compared_prompts"], report
     return report
+
+
+def test_llamacpp_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(llama_run):
+    """T = 1: llama.cpp's default drafting (argmax, accepted when its target's sample equals it)
+    against ours drafting alike: the intervals overlap. Ours sampling its draft at T instead
+    (a train/serve mismatch of the drafting rule): a near-copy of the target is accepted far
+    more often that way, and the check says so."""
+    from serving.validate import validate_llamacpp
+
+    cfg = load_config("configs/smollm2-135m-independent.yaml", [
+        f"run.output_dir={llama_run.run.output_path}", "eval.num_prompts=8",
+        "eval.max_new_tokens=64", "eval.batch_size=8"])
+    right = validate_llamacpp(cfg, temperature=1.0)
+    assert right.ok and right.drafts_engine > 100, (right.tau_ours, right.tau_engine,
+                                                    right.failures)
+    wrong = validate_llamacpp(cfg, temperature=1.0, draft_temperature=1.0)
+    assert not wrong.ok and wrong.tau_ours > right.tau_ours, (wrong.tau_ours, wrong.tau_engine)
+    assert any("do not overlap" in f for f in wrong.failures)
 
 
 def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp_path):
