@@ -227,15 +227,20 @@ def tau_interval(drafts: int, accepted_per_position: list[int], design_effect: f
 
 def alpha_intervals(drafts: int | list[int], accepted_per_position: list[int],
                     design_effect: float = 1.0, z: float = 1.96) -> list[tuple[float, float]]:
-    """95 % interval of each alpha_j = c_j / N_j (a proportion of the drafting steps that
-    drafted position j: N_j = drafts, or drafts[j] where an engine drafted fewer at the end)."""
+    """95 % Wilson score interval of each alpha_j = c_j / N_j (a proportion of the drafting steps
+    that drafted position j: N_j = drafts, or drafts[j] where an engine drafted fewer at the end).
+    Wilson, not Wald: alpha_j for j >= 2 is often a few counts in hundreds, where Wald's
+    a +- z sqrt(a(1 - a)/n) covers far less than 95 % and collapses to [0, 0] at c_j = 0. The
+    design effect shrinks n to the effective number of independent steps."""
     counts = drafts if isinstance(drafts, list) else [drafts] * len(accepted_per_position)
     out = []
     for c, steps in zip(accepted_per_position, counts):
-        n = max(steps, 1)
-        a = c / n
-        half = z * (a * (1 - a) * design_effect / n) ** 0.5
-        out.append((a - half, a + half))
+        n = max(steps, 1) / max(design_effect, 1.0)  # effective steps
+        a = c / max(steps, 1)
+        shrink = 1 + z * z / n
+        center = (a + z * z / (2 * n)) / shrink
+        half = z / shrink * (a * (1 - a) / n + z * z / (4 * n * n)) ** 0.5
+        out.append((max(center - half, 0.0), min(center + half, 1.0)))
     return out
 
 

@@ -156,3 +156,29 @@ def test_the_vllm_cpu_expand_fix_writes_each_requests_value_over_its_draft_token
     fixed = [replace_to if v == replace_from else v for v in values]
     want = torch.tensor([fixed[0]] * 2 + [fixed[1]] * 3 + [fixed[2]], dtype=dtype)
     assert output.dtype == dtype and torch.equal(output, want)
+
+
+@pytest.mark.parametrize("alpha", [0.005, 0.02, 0.3])
+def test_the_alpha_intervals_cover_a_small_true_alpha_95_percent_of_the_time(alpha):
+    """alpha_3 and alpha_4 are often a few accepted tokens in 600 steps: Wald's interval covers
+    ~80 % there (and [0, 0] when none was accepted); the check needs ~95 % at every alpha."""
+    import random
+
+    from serving.validate import alpha_intervals
+
+    rng = random.Random(2)
+    covered, n = 0, 600
+    for _ in range(2000):
+        c = sum(rng.random() < alpha for _ in range(n))
+        (low, high), = alpha_intervals(n, [c])
+        covered += low <= alpha <= high
+    assert 0.93 <= covered / 2000 <= 0.975, covered
+
+
+def test_an_alpha_never_accepted_still_has_an_upper_bound_and_the_design_effect_widens_it():
+    from serving.validate import alpha_intervals
+
+    (low, high), = alpha_intervals(600, [0])
+    assert low == 0.0 and 0.004 < high < 0.01  # Wilson's ~z^2 / (n + z^2)
+    (_, wider), = alpha_intervals(600, [0], design_effect=2.0)
+    assert wider > 1.5 * high
