@@ -283,6 +283,21 @@ def sampling_verdict(ours: tuple, engine: tuple, alpha_ours: list, alpha_engine:
     return failures
 
 
+def sampled_comparison(our_stats: list, engine_steps: int, engine_drafted: int | list[int],
+                       engine_accepted: list[int], engine_name: str) -> tuple[dict, list[str]]:
+    """Both engines' 95 % intervals of tau and each alpha_k (per-request correlation measured
+    on ours: design_effect) and the verdict on them -> (report fields, failures)."""
+    effect = design_effect(our_stats)
+    our_steps, our_positions = _summed(our_stats)
+    intervals = {"ours": tau_interval(our_steps, our_positions, effect),
+                 "engine": tau_interval(engine_steps, engine_accepted, effect),
+                 "alpha_ours": alpha_intervals(our_steps, our_positions, effect),
+                 "alpha_engine": alpha_intervals(engine_drafted, engine_accepted, effect)}
+    failures = sampling_verdict(intervals["ours"], intervals["engine"], intervals["alpha_ours"],
+                                intervals["alpha_engine"], engine_steps, engine_name)
+    return {"intervals": intervals, "design_effect": effect, "steps_ours": our_steps}, failures
+
+
 def _summed(stats: list) -> tuple[int, list[int]]:
     """Our engine's counters in an engine's terms: (drafting steps, accepted per position)."""
     width = max(len(s.accepted_per_position) for s in stats)
@@ -295,11 +310,17 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
 
 
+def results_path(cfg: Config, engine: str) -> Path:
+    """Where a validation's report goes: <run>/validate/results.json (vLLM) or
+    results-llamacpp.json."""
+    name = "results.json" if engine == "vLLM" else "results-llamacpp.json"
+    return cfg.run.output_path / "validate" / name
+
+
 def _finish(cfg: Config, result: Validation, ours: OurRun, folder: Path, extra: dict) -> Validation:
-    out = cfg.run.output_path / "validate"
-    out.mkdir(parents=True, exist_ok=True)
-    name = "results.json" if result.engine == "vLLM" else "results-llamacpp.json"
-    (out / name).write_text(json.dumps(
+    path = results_path(cfg, result.engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(
         {**asdict(result), "ok": result.ok, "draft": ours.draft_name, "export": str(folder),
          **extra}, indent=2))
     return result
@@ -344,16 +365,8 @@ def validate(cfg: Config, folder: Path | None = None, tolerance: float = 0.05,
                  if plain else len(ours.prompts))
     extra = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     if temperature > 0:
-        effect = design_effect(ours.stats)
-        our_steps, our_positions = _summed(ours.stats)
-        intervals = {"ours": tau_interval(our_steps, our_positions, effect),
-                     "engine": tau_interval(drafts, per_position, effect),
-                     "alpha_ours": alpha_intervals(our_steps, our_positions, effect),
-                     "alpha_engine": alpha_intervals(drafts, per_position, effect)}
-        failures = sampling_verdict(intervals["ours"], intervals["engine"],
-                                    intervals["alpha_ours"], intervals["alpha_engine"], drafts)
-        extra.update(intervals=intervals, design_effect=effect, steps_ours=our_steps,
-                     draft_temperature_ours=draft_temperature,
+        compared, failures = sampled_comparison(ours.stats, drafts, drafts, per_position, "vLLM")
+        extra.update(**compared, draft_temperature_ours=draft_temperature,
                      draft_temperature_engine=as_engine,
                      draft_sample_method=speculative.get("draft_sample_method", "greedy"),
                      vllm_cpu_expand_broken=spec.get("cpu_expand_broken"),
@@ -531,18 +544,9 @@ def validate_llamacpp_sampled(cfg: Config, folder: Path | None = None, temperatu
             per_prompt.append(_delta(after, before, k))
             before = after
         seconds = time.perf_counter() - start
-    tau_engine, alpha_engine, steps = _pooled(per_prompt, k)
-    accepted = [sum(r["accepted_per_position"][j] for r in per_prompt
-                    if j < len(r["accepted_per_position"])) for j in range(k)]
-    drafted = [sum(column) for column in zip(*[drafted_per_position(r, k) for r in per_prompt])]
-    effect = design_effect(ours.stats)
-    our_steps, our_positions = _summed(ours.stats)
-    intervals = {"ours": tau_interval(our_steps, our_positions, effect),
-                 "engine": tau_interval(steps, accepted, effect),
-                 "alpha_ours": alpha_intervals(our_steps, our_positions, effect),
-                 "alpha_engine": alpha_intervals(drafted or [0] * k, accepted, effect)}
-    failures = sampling_verdict(intervals["ours"], intervals["engine"], intervals["alpha_ours"],
-                                intervals["alpha_engine"], steps, "llama.cpp")
+    steps, accepted, drafted = _pooled_counts(per_prompt, k)
+    tau_engine, alpha_engine, _ = _pooled(per_prompt, k)
+    compared, failures = sampled_comparison(ours.stats, steps, drafted, accepted, "llama.cpp")
     result = Validation(
         method=spec["spec_type"], k=k, prompts=len(ours.prompts), tau_ours=ours.result.tau,
         tau_engine=tau_engine, alpha_ours=ours.result.alpha, alpha_engine=alpha_engine,
@@ -551,8 +555,7 @@ def validate_llamacpp_sampled(cfg: Config, folder: Path | None = None, temperatu
         tokens_per_s_engine=sum(map(len, outputs)) / seconds, tokens_per_s_engine_target=0.0,
         drafts_engine=steps, engine="llama.cpp", failures=failures)
     return _finish(cfg, result, ours, folder, {
-        "temperature": temperature, "intervals": intervals, "design_effect": effect,
-        "steps_ours": our_steps, "draft_temperature_ours": ours_t,
+        "temperature": temperature, **compared, "draft_temperature_ours": ours_t,
         "draft_temperature_engine": as_engine, "draft_sampling": draft_sampling,
         "draft_top_k_ours": None if draft_sampling == "greedy" else LLAMACPP_DRAFT_TOP_K,
         "llama_cpp_per_prompt": per_prompt})
@@ -580,14 +583,21 @@ def drafted_per_position(request: dict, k: int) -> list[int]:
     return [steps - (1 if steps and j > k - deficit else 0) for j in range(1, k + 1)]
 
 
-def _pooled(requests: list[dict], k: int) -> tuple[float, list[float], int]:
-    """Requests' counters -> (tau, alpha_1..k conditional on the position being drafted,
-    drafting steps)."""
+def _pooled_counts(requests: list[dict], k: int) -> tuple[int, list[int], list[int]]:
+    """Requests' counters summed -> (drafting steps, accepted per position, steps that drafted
+    each position)."""
     steps = sum(r["drafts"] for r in requests)
     per_position = [sum(r["accepted_per_position"][j] for r in requests
                         if j < len(r["accepted_per_position"])) for j in range(k)]
     drafted = [sum(column) for column in
                zip(*[drafted_per_position(r, k) for r in requests])] or [0] * k
+    return steps, per_position, drafted
+
+
+def _pooled(requests: list[dict], k: int) -> tuple[float, list[float], int]:
+    """Requests' counters -> (tau, alpha_1..k conditional on the position being drafted,
+    drafting steps)."""
+    steps, per_position, drafted = _pooled_counts(requests, k)
     return (1 + sum(per_position) / max(steps, 1),
             [c / max(d, 1) for c, d in zip(per_position, drafted)], steps)
 
@@ -648,8 +658,7 @@ def main(argv: list[str] | None = None) -> int:
           f"| {r.engine} ({r.method}) | {r.tau_engine:.3f} | "
           f"{' '.join(f'{a:.3f}' for a in r.alpha_engine)} |")
     if args.temperature > 0:
-        name = "results.json" if r.engine == "vLLM" else "results-llamacpp.json"
-        report = json.loads((cfg.run.output_path / "validate" / name).read_text())
+        report = json.loads(results_path(cfg, r.engine).read_text())
         lo, hi = report["intervals"]["ours"]
         elo, ehi = report["intervals"]["engine"]
         ours_t, engine_t = report["draft_temperature_ours"], report["draft_temperature_engine"]
