@@ -545,7 +545,7 @@ def validate_llamacpp_sampled(cfg: Config, folder: Path | None = None, temperatu
             before = after
         seconds = time.perf_counter() - start
     steps, accepted, drafted = _pooled_counts(per_prompt, k)
-    tau_engine, alpha_engine, _ = _pooled(per_prompt, k)
+    tau_engine, alpha_engine = _rates(steps, accepted, drafted)
     compared, failures = sampled_comparison(ours.stats, steps, drafted, accepted, "llama.cpp")
     result = Validation(
         method=spec["spec_type"], k=k, prompts=len(ours.prompts), tau_ours=ours.result.tau,
@@ -594,12 +594,17 @@ def _pooled_counts(requests: list[dict], k: int) -> tuple[int, list[int], list[i
     return steps, per_position, drafted
 
 
+def _rates(steps: int, accepted: list[int], drafted: list[int]) -> tuple[float, list[float]]:
+    """Summed counters -> (tau, alpha_1..k conditional on the position being drafted)."""
+    return (1 + sum(accepted) / max(steps, 1),
+            [c / max(d, 1) for c, d in zip(accepted, drafted)])
+
+
 def _pooled(requests: list[dict], k: int) -> tuple[float, list[float], int]:
     """Requests' counters -> (tau, alpha_1..k conditional on the position being drafted,
     drafting steps)."""
-    steps, per_position, drafted = _pooled_counts(requests, k)
-    return (1 + sum(per_position) / max(steps, 1),
-            [c / max(d, 1) for c, d in zip(per_position, drafted)], steps)
+    steps, accepted, drafted = _pooled_counts(requests, k)
+    return (*_rates(steps, accepted, drafted), steps)
 
 
 def _drafting(draft_temperature: float | None, temperature: float) -> str:
