@@ -73,3 +73,21 @@ def chat_records(n: int) -> list[dict]:
         {"from": "gpt", "value": "an answer the target will replace"},
         *([{"from": "human", "value": "And times two?"}] if i % 2 else []),
     ]} for i in range(n)]
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (torchrun's and vLLM's workers leave the
+    launcher's process group, so killing the group is not enough); ones already gone are
+    skipped."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        processes = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -15,7 +15,7 @@ import pytest
 
 from distill import load_distilled
 from distill.shards import read_columns, shard_files
-from tests.conftest import chat_records, write_jsonl
+from tests.conftest import chat_records, kill_process_tree, write_jsonl
 
 ROOT = Path(__file__).parents[2]
 
@@ -176,8 +176,6 @@ def test_killed_three_times_then_resumed_writes_what_an_uninterrupted_run_writes
         tiny_target, tmp_path, sampling, processes):
     """Every reply is a function of its conversation alone (its own seed, its batch as in an
     uninterrupted run), so SIGKILL at three seeded random points changes nothing written."""
-    import psutil
-
     n = 36
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(n))
     extra = ["data.shard_size=2", "generation.batch_size=3", "generation.max_new_tokens=24"]
@@ -207,8 +205,7 @@ def test_killed_three_times_then_resumed_writes_what_an_uninterrupted_run_writes
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside a later batch or shard write
         if proc.poll() is None:
-            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]:
-                p.send_signal(signal.SIGKILL)
+            kill_process_tree(proc.pid)
             kills += 1
         proc.wait()
     assert kills == 3, "a run finished before it could be killed: make it longer"

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from recipe import load_config
 from serving.export import export_draft
 from serving.validate import main, validate
+from tests.conftest import kill_process_tree
 
 pytestmark = pytest.mark.integration
 SETTINGS = ["eval.num_prompts=2", "eval.max_new_tokens=24"]
@@ -437,8 +438,6 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
     import time
     import urllib.request
 
-    import psutil
-
     from serving.server import model_id
 
     cfg, _ = run
@@ -477,11 +476,7 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
                            re.MULTILINE)
         assert drafts and float(drafts.group(1)) > 0, "vLLM did not speculate"
     finally:
-        for p in [*psutil.Process(server.pid).children(recursive=True), server]:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_process_tree(server.pid)
         server.wait()
     fixed_in = set(re.findall(r"expand_kernel fallback replaced in process (\d+)",
                               log.read_text()))

@@ -12,6 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from recipe import ConfigError
+from tests.conftest import kill_process_tree
 from train import TrainingDiverged, accelerator_kwargs, train_draft
 from train.data import checkpoint_name
 
@@ -185,7 +186,6 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
                                                                           case):
     """The pipeline's train stage in its own process, SIGKILLed (with every process it started)
     once checkpoints exist, then the same command again: the loss curve of the uninterrupted run."""
-    import signal
     import subprocess
     import sys
     import time
@@ -219,10 +219,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     while not (checkpoints / checkpoint_name(2)).is_dir():
         assert process.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.005)
-    import psutil  # torchrun's workers leave the launcher's process group: kill every descendant
-
-    for p in [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]:
-        p.send_signal(signal.SIGKILL)
+    kill_process_tree(process.pid)  # torchrun's workers included
     process.wait()
     assert not (killed / "train" / "draft").exists()  # killed mid-run, not after it
     last = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
