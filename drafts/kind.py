@@ -67,7 +67,7 @@ class DraftKind(Protocol):
     """What vLLM's speculative config needs besides method, model and k (PARD:
     parallel_drafting). vLLM 0.32 drafts the argmax by default (draft_sample_method 'greedy',
     q one-hot), our engine samples the draft: at T > 0 the two accept differently, which
-    `serving.validate --temperature` shows (README, "Sampling")."""
+    `serving.validate --temperature` shows (docs/export-and-validation.md, "Sampling")."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
     llamacpp_spec_type: str | None

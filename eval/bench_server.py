@@ -30,7 +30,7 @@ from assets.prompts import load_mtbench
 
 
 def _quantile(values: list[float], q: float) -> float:
-    """Nearest rank (the figures in README); nan for no value."""
+    """Nearest rank (the figures in docs/serving.md); nan for no value."""
     if not values:
         return float("nan")
     values = sorted(values)

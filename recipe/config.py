@@ -127,15 +127,15 @@ class GenerationConfig:
     """Nucleus sampling mass (sampling only)."""
     batch_size: int | None = None
     """Conversations generated together (left-padded in transformers, continuously batched in
-    vLLM). None: 64 with vLLM, 16 with transformers (the fastest measured on 2 CPU cores,
-    eval/bench_distill_backends.py)."""
+    vLLM). None: 64 with vLLM, 16 with transformers (`python -m eval.bench_distill_backends`
+    measures the choice on your hardware; docs/distillation.md has measured figures)."""
     top_k_logprobs: int = 0
     """Store the target's top-k log-probabilities at every assistant position (0: none)."""
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """Who runs the target in stage 1: transformers' generate ('hf') or vLLM's offline LLM
     ('vllm', the 'cpu' extra on a machine without GPU). Same files either way; each row records
-    its backend and the manifest counts them. 'auto': vLLM where it is installed (3.4x the
-    tokens/s of transformers in float32 on 2 CPU cores, batch 16), else transformers."""
+    its backend and the manifest counts them. 'auto': vLLM where it is installed (the faster
+    of the two; docs/distillation.md), else transformers."""
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
 
