@@ -63,7 +63,7 @@ class CachedLM:
         self.next_position = self.next_position - num_rejected
         common = int(num_rejected.min())
         if common:
-            self.cache.crop(self.mask.shape[1] - common)
+            self.cache.crop(-common)
             self.mask = self.mask[:, :-common]
             num_rejected = num_rejected - common
         width = int(num_rejected.max())
@@ -95,7 +95,7 @@ class CachedLM:
 
     def drop_tree(self, size: int) -> None:
         """After extend_tree: remove the tree's `size` slots (a draft's expansion, kept nowhere)."""
-        self.cache.crop(self.mask.shape[1] - size)
+        self.cache.crop(-size)
         self.mask = self.mask[:, :-size]
 
     def keep_nodes(self, keep: torch.Tensor) -> None:

@@ -95,6 +95,16 @@ def speedup_stats(method_tps: list[float], baseline_tps: list[float]) -> Speed:
     return Speed(quantile(ratios, 0.5), q25, q75, len(ratios), verdict)
 
 
+def speed_text(speed: dict | None, baseline: bool = False) -> str:
+    """A method's speedup as every report prints it: '0.69x (0.36-2.93, uncertain)' (median over
+    rounds, quartiles, verdict); '1.00x' for plain decoding itself, '-' when not measured."""
+    if not speed:
+        return "-"
+    if baseline:
+        return "1.00x"
+    return f"{speed['median']:.2f}x ({speed['q25']:.2f}-{speed['q75']:.2f}, {speed['verdict']})"
+
+
 def acceptance(stats: list[RequestStats]) -> tuple[float, list[float], float]:
     """Pool requests: tau = 1 + accepted / steps, alpha_k = accepted_k / drafted_k, rate."""
     steps = sum(s.steps for s in stats)
@@ -449,9 +459,7 @@ def markdown_table(report: dict) -> str:
         alpha = " ".join(f"{a:.2f}" for a in r["alpha"]) or "-"
         same = (f"{r['identical_to_target']}/{report['num_prompts']}"
                 if r["identical_to_target"] is not None else "-")
-        sp = r.get("speed")
-        speed = (f"{sp['median']:.2f}x ({sp['q25']:.2f}-{sp['q75']:.2f}, {sp['verdict']})"
-                 if sp and r["method"] != "target" else "1.00x" if sp else "-")
+        speed = speed_text(r.get("speed"), baseline=r["method"] == "target")
         draft_ms = (f"{r['draft_ms_per_step']:.1f}" if r.get("draft_ms_per_step") is not None
                     else "-")
         tree = (f"{r.get('accepted_alternative', 0)} / {r.get('accepted_ngram', 0)}"
@@ -515,7 +523,8 @@ def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
     print("--- texts are identical" if first_diff is None else
           f"--- texts differ from character {first_diff}: {a[first_diff:first_diff + 40]!r} vs "
           f"{b[first_diff:first_diff + 40]!r}")
-    print(f"--- speedup {plain.seconds / spec.seconds:.2f}x")
+    print(f"--- one request: {plain.seconds / spec.seconds:.2f}x plain decoding's speed (a single "
+          "run, no quartiles: eval.speculative without --compare measures over rounds)")
     return {"identical": first_diff is None, "first_difference": first_diff,
             "seconds_plain": plain.seconds, "seconds_speculative": spec.seconds, "tau": spec.tau}
 

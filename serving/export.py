@@ -33,6 +33,7 @@ from pathlib import Path
 from assets.target import resolve_target
 from drafts import DraftKind, kind_of
 from drafts.folders import read_config
+from eval.speculative import speed_text
 from recipe import Config, ConfigError
 
 
@@ -260,12 +261,13 @@ def model_card(cfg: Config, kind: DraftKind, k: int, command: str, target_name: 
                    f"{eval_report['dtype']}, batch {eval_report['batch_size']}, on "
                    f"{eval_report['device']} x{eval_report['threads']} threads "
                    "(draftsmith's engine):"), "",
-                  "| method | tau | alpha_k | tokens/s | speedup | identical to target |",
+                  "| method | tau | alpha_k | tokens/s | speedup (q25-q75, verdict) "
+                  "| identical to target |",
                   "|---|---|---|---|---|---|"]
         for name, r in eval_report["methods"].items():
             tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
             alpha = " ".join(f"{a:.2f}" for a in r["alpha"]) or "-"
-            speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "-"
+            speed = speed_text(r.get("speed"), baseline=r.get("method") == "target")
             same = "-" if r["identical_to_target"] is None else (
                 f"{r['identical_to_target']}/{eval_report['num_prompts']}")
             lines.append(f"| {name} | {tau} | {alpha} | {r['tokens_per_s']:.1f} | {speed} "

@@ -69,3 +69,13 @@ def test_quantiles_interpolate_like_numpy():
     assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
     assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.25) == 2.0
     assert quantile([7.0], 0.75) == 7.0
+
+
+def test_every_printed_speedup_carries_its_quartiles_and_verdict():
+    from dataclasses import asdict
+
+    from eval.speculative import speed_text
+
+    speed = asdict(speedup_stats([0.5, 0.7, 3.0, 0.6], [1.0] * 4))
+    assert speed_text(speed) == "0.65x (0.57-1.27, uncertain)"
+    assert speed_text(speed, baseline=True) == "1.00x" and speed_text(None) == "-"

@@ -91,7 +91,7 @@ def test_heads_sharing_the_targets_lm_head_are_exported_once_and_compute_the_sam
 
 def test_the_model_card_carries_the_measured_eval_of_this_draft(tiny_target, tmp_path):
     from eval.speculative import evaluate
-    from tests.conftest import chat_records, write_jsonl
+    from tests.helpers import chat_records, write_jsonl
 
     _heads(tiny_target, tmp_path / "run" / "train" / "draft", num_heads=2)
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(2))
@@ -103,6 +103,9 @@ def test_the_model_card_carries_the_measured_eval_of_this_draft(tiny_target, tmp
     card = (result.folder / "README.md").read_text()
     tau = report["methods"]["speculative"]["tau"]
     assert f"| speculative | {tau:.2f} |" in card and "| target | - |" in card
+    speed = report["methods"]["speculative"]["speed"]
+    assert (f"{speed['median']:.2f}x ({speed['q25']:.2f}-{speed['q75']:.2f}, {speed['verdict']})"
+            in card), "the card's speedup lacks its quartiles and verdict"
     assert ((result.folder / "eval_results.json").read_text()
             == (tmp_path / "run" / "eval" / "results.json").read_text())
     assert card.startswith("---\nbase_model: ") and "train.draft=medusa" not in card
