@@ -222,6 +222,13 @@ class TreeVerification:
     """[B] draft distributions that were not finite and were tested as point masses instead."""
 
 
+def accept_child(u: torch.Tensor, r_x: torch.Tensor, q_x: torch.Tensor | None) -> bool:
+    """Recursive rejection sampling's test for one child x, u ~ U(0, 1), r the residual target
+    distribution at its parent: a token the draft sampled from q is kept with probability
+    min(1, r(x) / q(x)); a fixed candidate (q a point mass at x) with probability r(x)."""
+    return bool(u < r_x) if q_x is None else bool(u * q_x < r_x)
+
+
 def verify_tree(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                 generator: torch.Generator | None = None) -> TreeVerification:
     """Walk each row's tree from the root (see the module docstring).
@@ -253,18 +260,13 @@ def verify_tree(tree: Tree, draft_probs: torch.Tensor | None, target_probs: torc
                 q = draft_probs[b, j] if j >= 0 else None
                 if q is not None and not bool(torch.isfinite(q).all()):
                     q, fallbacks[b] = None, fallbacks[b] + 1
+                if accept_child(u, r[x], None if q is None else q[x]):
+                    chosen = child
+                    break
                 if q is None:
-                    if u < r[x]:
-                        chosen = child
-                        break
-                    point = torch.zeros_like(r)
-                    point[x] = 1.0
-                    r = residual_distribution(r, point)
-                else:
-                    if u * q[x] < r[x]:
-                        chosen = child
-                        break
-                    r = residual_distribution(r, q)
+                    q = torch.zeros_like(r)
+                    q[x] = 1.0  # a fixed candidate is a point mass
+                r = residual_distribution(r, q)
             if chosen is None:
                 next_token[b] = torch.multinomial(r, 1, generator=generator)[0]
                 break

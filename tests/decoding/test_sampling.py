@@ -23,19 +23,15 @@ from drafts.independent import ModelDraft
 from drafts.medusa import MedusaDraft, MedusaHeads
 from drafts.pard import ParallelModelDraft
 from drafts.prompt_lookup import PromptLookupDraft
+from tests.helpers import tiny_llama
 
 VOCAB, NEW_TOKENS, K, ROWS, BINS = 8, 12, 3, 2000, 20
 PROMPTS = [[3, 1, 4, 1, 5], [2, 6, 5, 3, 5, 0, 7, 2, 6]]  # two lengths: left padding and holes
 
 
 def _tiny(seed: int, layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        pad_token_id=0, initializer_range=0.15)).eval()
+    return tiny_llama(VOCAB, seed=seed, layers=layers, hidden=32, heads=2, kv_heads=1,
+                      context=64, init=0.15, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +151,19 @@ def test_trees_sample_the_targets_distribution(target, kind, ngram_branch, tree_
     assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3
 
 
-def test_a_wrong_tree_rule_fails_the_same_test(target, monkeypatch):
+TREE_BROKEN = {  # wrong tree rules that the same bias check must catch
+    "residual not updated": ("residual_distribution", lambda r, q: r),
+    "sampled child kept with probability r(x)": ("accept_child", lambda u, r_x, q_x: bool(u < r_x)),
+    "fixed candidate always kept": (
+        "accept_child", lambda u, r_x, q_x: q_x is None or bool(u * q_x < r_x)),
+}
+
+
+@pytest.mark.parametrize("broken", list(TREE_BROKEN))
+def test_a_wrong_tree_rule_fails_the_same_test(target, monkeypatch, broken):
     import decoding.tree
 
-    monkeypatch.setattr(decoding.tree, "residual_distribution", lambda r, q: r)
+    monkeypatch.setattr(decoding.tree, *TREE_BROKEN[broken])
     prompts, out, settings = _sample(target, "independent", 1.0, tree=True)
     assert pit_p_value(target, prompts, out.tokens, settings) < 1e-6
 
