@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.helpers import save_tiny_llama
+
+FAST_TIER_LIMIT_S = 20.0
+"""A fast-tier test whose call or setup takes longer is listed at the end of the run."""
+_fast_tier_over: list[tuple[str, str, float]] = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when in ("setup", "call") and report.duration > FAST_TIER_LIMIT_S and not (
+            {"slow", "integration"} & set(report.keywords)):
+        _fast_tier_over.append((report.nodeid, report.when, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _fast_tier_over:
+        return
+    terminalreporter.section(f"fast-tier tests over {FAST_TIER_LIMIT_S:.0f} s "
+                             "(mark them slow, or share their setup)")
+    for nodeid, when, seconds in sorted(_fast_tier_over, key=lambda x: -x[2]):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {when:5s}  {nodeid}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,47 +66,6 @@ def smollm2_tokenizer(smollm2_folder):
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A random 2-layer, 64-dim Llama with SmolLM2's tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64,
-                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("tiny_target")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def chat_records(n: int) -> list[dict]:
-    """n small conversations, some with two user turns."""
-    return [{"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
-        {"from": "gpt", "value": "an answer the target will replace"},
-        *([{"from": "human", "value": "And times two?"}] if i % 2 else []),
-    ]} for i in range(n)]
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant (torchrun's and vLLM's workers leave the
-    launcher's process group, so killing the group is not enough); ones already gone are
-    skipped."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        processes = [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in processes:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_target"), smollm2_tokenizer,
+                           context=512, init=0.02, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=2, tie_word_embeddings=True)

@@ -3,13 +3,10 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import chat_records, write_jsonl
-
-ROOT = Path(__file__).parents[1]
+from tests.helpers import ROOT, chat_records, write_jsonl
 
 
 @pytest.mark.parametrize(("recipe", "draft", "methods"), [

@@ -11,7 +11,7 @@ from assets.prompts import (
     to_conversation,
 )
 from recipe import ConfigError
-from tests.conftest import chat_records, write_jsonl
+from tests.helpers import chat_records, write_jsonl
 
 
 def _cut_json_array(tmp_path, records, keep_bytes_into_last: int):

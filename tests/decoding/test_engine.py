@@ -7,19 +7,19 @@ from decoding.engine import DecodeSettings, generate
 from drafts.independent import ModelDraft
 from drafts.medusa import MedusaDraft, MedusaHeads
 from drafts.prompt_lookup import PromptLookupDraft
+from tests.helpers import (
+    fit_medusa_heads,
+    greedy_chain_counts,
+    greedy_lm_proposer,
+    tiny_llama,
+)
 
 VOCAB, EOS = 256, 2
 
 
 def _tiny(seed, layers=2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, eos_token_id=EOS, pad_token_id=0,
-                         initializer_range=0.2)  # peaked logits: no near-ties in greedy argmax
-    return LlamaForCausalLM(config).eval()
+    # peaked logits (init 0.2): no near-ties in greedy argmax
+    return tiny_llama(VOCAB, seed=seed, layers=layers, eos_token_id=EOS, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -61,29 +61,9 @@ def _noisy_copy(target, std=0.02):
 
 
 def _fitted_medusa(target, num_heads=4, steps=20):
-    """Medusa heads fitted to the target's own greedy continuations of the test prompts: heads
-    that are right often (and, being small, not always)."""
-    import torch.nn.functional as F
-
     prompts, _, _ = _prompts([5, 17, 9])
-    torch.manual_seed(0)
-    heads = MedusaHeads.from_target(target, num_heads=num_heads)
-    data = []
-    for p in prompts:
-        seq = torch.tensor([p + _reference(target, p, 40)])
-        with torch.no_grad():
-            data.append((seq[0], target(seq, output_hidden_states=True).hidden_states[-1][0]))
-    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = 0.0
-        for seq, hidden in data:  # head j at position s predicts seq[s + 2 + j]
-            logits = heads(hidden)  # [heads, T, V]
-            for j in range(num_heads):
-                loss = loss + F.cross_entropy(logits[j, : len(seq) - 2 - j], seq[2 + j:])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return heads.eval()
+    return fit_medusa_heads(target, [p + _reference(target, p, 40) for p in prompts], num_heads,
+                            steps)
 
 
 def _drafts(target):
@@ -122,6 +102,30 @@ def test_greedy_speculation_equals_target_greedy_batched(target, draft_name, k):
         assert all(t == k + 1 for t in taus)  # the sanity bound: everything accepted
     if draft_name == "nan":
         assert all(s.draft_failures == 1 for s in out.stats)
+
+
+@pytest.mark.parametrize("draft_name", ["noisy copy", "fitted medusa"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_counts_equal_a_cache_free_reference(target, draft_name, k):
+    """steps and accepted tokens per row, batched and left-padded, equal what decoding each
+    prompt alone with full recomputation counts (tests.helpers.greedy_chain_counts): a draft
+    cache or a count that goes wrong while the output stays lossless changes them."""
+    prompts, ids, mask = _prompts([5, 17, 9])
+    draft = _drafts(target)[draft_name]
+    out = generate(target, ids, mask, DecodeSettings(max_new_tokens=40, k=k), {EOS}, draft)
+    if draft_name == "fitted medusa":
+        heads = draft.heads
+
+        @torch.no_grad()
+        def propose(tokens, k):  # head j reads the hidden state that chose the last token
+            hidden = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+            return heads(hidden[-1][0, -2:-1])[:k, 0].argmax(-1).tolist()  # [k]
+    else:
+        propose = greedy_lm_proposer(draft.lm.model)
+    for row, prompt in enumerate(prompts):
+        want = greedy_chain_counts(target, propose, prompt, k, 40, {EOS})
+        assert (out.stats[row].steps, out.stats[row].accepted) == want, f"row {row}"
+    assert sum(s.accepted for s in out.stats) > 0
 
 
 def test_adaptive_k_grows_with_a_perfect_draft_and_stays_lossless(target):
@@ -216,13 +220,9 @@ def test_medusa_refuses_more_draft_tokens_than_heads(target):
 def test_medusa_sampling_keeps_the_target_distribution():
     """Lossless at temperature 1: with random heads proposing, the second emitted token (the
     first one a head drafts) follows the target's exact marginal sum_x1 p(x1) p(x2 | x1)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     vocab, n = 12, 4000
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, initializer_range=0.1)).eval()
+    target = tiny_llama(vocab, seed=0, layers=1, hidden=32, heads=2, kv_heads=1,
+                        context=2048, init=0.1)
     prompt = torch.tensor([[3, 5, 7]])
     with torch.no_grad():
         p1 = target(prompt).logits[0, -1].softmax(-1)  # [V]

@@ -48,7 +48,7 @@ def test_real_target_reply_is_masked_as_the_template_says(target, tmp_path):
 
     from distill import load_distilled, run_distill
     from recipe import load_config
-    from tests.conftest import write_jsonl
+    from tests.helpers import write_jsonl
 
     model, tok = target
     prompts = write_jsonl(tmp_path / "p.jsonl", [

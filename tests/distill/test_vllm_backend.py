@@ -4,6 +4,7 @@ transformers (real SmolLM2 target, fp32 greedy, real vLLM)."""
 import pytest
 
 from recipe import load_config
+from tests.helpers import recipe_path
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +18,7 @@ def test_vllm_backend_writes_what_the_hf_backend_writes(tmp_path):
     from distill.shards import read_manifest, shard_files
 
     def run(backend):
-        cfg = load_config("configs/smollm2-135m-independent.yaml", [
+        cfg = load_config(recipe_path("smollm2-135m-independent"), [
             f"run.output_dir={tmp_path / backend}", "data.max_prompts=6",
             "generation.max_new_tokens=32", "generation.batch_size=3",
             f"generation.backend={backend}", "generation.vllm_enforce_eager=true"])

@@ -23,6 +23,7 @@ from drafts.eagle3 import (
 from recipe import ConfigError
 from tests.decoding.test_engine import _prompts
 from tests.decoding.test_tree import candidate_path
+from tests.helpers import assert_same_state, tiny_llama
 from train.data import Example, collate
 from train.features import target_hidden
 
@@ -30,14 +31,7 @@ VOCAB, EOS, LAYERS, AUX = 256, 2, 4, [1, 2, 3]
 
 
 def _tiny(seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, eos_token_id=EOS, pad_token_id=0,
-                         initializer_range=0.2)
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB, seed=seed, layers=LAYERS, eos_token_id=EOS, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +181,7 @@ def test_save_and_load_round_trip_and_a_corrupted_d2t_is_refused(target, tmp_pat
     head = _head(target)
     head.save_pretrained(tmp_path / "head")
     loaded = Eagle3Head.from_pretrained(tmp_path / "head")
-    for name, value in head.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[name]), name
+    assert_same_state(loaded.state_dict(), head.state_dict())
     assert loaded.aux_layers == AUX
     state = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert "embed_tokens.weight" not in state and state["lm_head.weight"].shape == (200, 64)

@@ -10,7 +10,6 @@ from decoding.engine import generate
 from drafts.dflash import DFlash, DFlashDraft, DFlashForTraining, DFlashHead
 from drafts.dflash.head import check_aux_layers, check_fits_target
 from drafts.kind import TargetHidden, aux_features
-from drafts.pard import ParallelModelDraft, PardForTraining
 from drafts.parallel import (
     block_attention,
     block_plan,
@@ -18,19 +17,15 @@ from drafts.parallel import (
     pard_layout,
     pick_mask_token,
 )
+from drafts.pard import ParallelModelDraft, PardForTraining
 from recipe import ConfigError, DecodeSettings
+from tests.helpers import assert_same_state, greedy_chain_counts, tiny_llama
 
 VOCAB, MASK, K = 50, 7, 3
 
 
 def _lm(seed: int, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.2)).eval()
+    return tiny_llama(VOCAB, seed=seed, layers=layers, hidden=32, context=128)
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +165,12 @@ def test_pard_trains_on_exactly_what_it_serves():
     _check_same_distributions(logits, slots, q, 0, 5)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "pard", "pard k=1"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash from the target", "pard", "pard k=1",
+                                  "pard from the target"])
 def test_parallel_drafts_keep_greedy_output_identical(target, dflash, kind):
+    """Random drafters exercise rejection; a DFlash drafter starting as the target's own layer
+    and the target as a PARD draft (its first token always right, its mask positions seldom)
+    exercise partial acceptance, so the equality covers accepted tokens too."""
     torch.manual_seed(3)
     ids = torch.randint(8, VOCAB, (3, 9))
     attention = torch.ones_like(ids)
@@ -180,13 +179,35 @@ def test_parallel_drafts_keep_greedy_output_identical(target, dflash, kind):
     settings = DecodeSettings(max_new_tokens=24, k=k)
     if kind == "dflash":
         draft = DFlashDraft(dflash, target.get_input_embeddings())
+    elif kind == "dflash from the target":
+        torch.manual_seed(1)
+        head = DFlashHead.from_target(target, [1, 2, 3], 2, mask_token_id=MASK, block_size=K)
+        draft = DFlashDraft(head.eval(), target.get_input_embeddings())
     else:
-        draft = ParallelModelDraft(target if k == 1 else _lm(5, layers=2), MASK)
+        draft = ParallelModelDraft(target if kind != "pard" else _lm(5, layers=2), MASK)
     plain = generate(target, ids, attention, settings, set())
     spec = generate(target, ids, attention, settings, set(), draft)
     assert spec.tokens == plain.tokens
+    accepted, drafted = sum(s.accepted for s in spec.stats), sum(s.drafted for s in spec.stats)
     if kind == "pard k=1":  # the target drafting for itself: every token accepted
         assert all(s.tau == 2.0 for s in spec.stats)
+    if kind.endswith("from the target"):
+        assert 0 < accepted < drafted, (accepted, drafted)  # both paths ran
+    if kind == "pard from the target":  # and the counts are what decoding alone gives
+        for row in range(3):
+            prompt = ids[row][attention[row].bool()].tolist()
+            want = greedy_chain_counts(target, _pard_proposer(target), prompt, K, 24)
+            assert (spec.stats[row].steps, spec.stats[row].accepted) == want, row
+
+
+def _pard_proposer(lm):
+    """PARD's greedy proposal recomputed from scratch: one forward over the tokens so far and
+    k - 1 mask tokens; the argmax at the last k positions."""
+    @torch.no_grad()
+    def propose(tokens, k):
+        logits = lm(torch.tensor([tokens + [MASK] * (k - 1)])).logits[0]  # [T + k - 1, V]
+        return logits[-k:].argmax(-1).tolist()
+    return propose
 
 
 def test_a_saved_dflash_drafter_loads_as_it_was(tmp_path, target, dflash):
@@ -194,8 +215,7 @@ def test_a_saved_dflash_drafter_loads_as_it_was(tmp_path, target, dflash):
     loaded = DFlash().load(str(tmp_path), target, None, torch.float32, torch.device("cpu"))
     head = loaded.model.head
     assert loaded.max_k == K and head.mask_token_id == MASK and head.aux_layers == [1, 2, 3]
-    for (name, a), b in zip(dflash.state_dict().items(), head.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_same_state(head.state_dict(), dflash.state_dict())
     config = (tmp_path / "config.json").read_text()
     assert '"target_layer_ids": [\n      0,\n      1,\n      2\n    ]' in config
 
@@ -225,9 +245,10 @@ def test_bad_parallel_input_is_refused(tmp_path, target, dflash, smollm2_tokeniz
 
 
 def test_a_pard_draft_with_another_vocabulary_is_refused(tmp_path, target):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from drafts.independent import VocabMismatchError
     from drafts.pard import Pard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     other = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 10, hidden_size=32,
                                          intermediate_size=64, num_hidden_layers=1,

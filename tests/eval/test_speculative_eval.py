@@ -6,25 +6,24 @@ import pytest
 import torch
 
 from decoding.engine import RequestStats
+from drafts.independent import layer_truncated
 from eval.speculative import acceptance, compare, evaluate
 from recipe import ConfigError, load_config
-from tests.conftest import chat_records, write_jsonl
+from tests.helpers import (
+    chat_records,
+    greedy_lm_proposer,
+    reference_tau,
+    save_tiny_llama,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
 def peaked_target(tmp_path_factory, smollm2_tokenizer):
     """2 layers, 64 dims, peaked logits (no near-ties for greedy argmax)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=2, tie_word_embeddings=True, initializer_range=0.2)
-    folder = tmp_path_factory.mktemp("peaked")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("peaked"), smollm2_tokenizer, context=512,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                           tie_word_embeddings=True)
 
 
 def _cfg(target, tmp_path, *extra):
@@ -54,7 +53,8 @@ def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
                "eval.methods=[target, speculative]")
     report = evaluate(cfg, torch.device("cpu"))
     spec = report["methods"]["speculative"]
-    assert spec["identical_to_target"] == 3 and 1.0 <= spec["tau"] <= 4.0
+    assert spec["identical_to_target"] == 3
+    assert spec["tau"] == pytest.approx(reference_tau(cfg, lambda target: greedy_lm_proposer(layer_truncated(target, 1))))
     result = compare(cfg, "Hello there", torch.device("cpu"))
     assert result["identical"] and "texts are identical" in capsys.readouterr().out
 
@@ -132,7 +132,10 @@ def test_medusa_heads_and_an_independent_draft_in_one_run(peaked_target, medusa_
     assert "hf_assisted" not in methods and "hf_assisted skipped" in capsys.readouterr().out
     for name in ("speculative", "speculative:layer-truncated:1", "speculative+tree"):
         assert methods[name]["identical_to_target"] == 3, name
-        assert 1.0 <= methods[name]["tau"] <= 4.0 and len(methods[name]["alpha"]) == 3
+        assert len(methods[name]["alpha"]) == 3, name
+    assert methods["speculative:layer-truncated:1"]["tau"] == pytest.approx(
+        reference_tau(cfg, lambda target: greedy_lm_proposer(layer_truncated(target, 1))))
+    assert methods["speculative+tree"]["tau"] >= methods["speculative"]["tau"]
     assert "Medusa, 3 heads" in report["draft"]
     assert "the static tree [[0], [1]" in (tmp_path / "run" / "eval" / "report.md").read_text()
 

@@ -5,8 +5,9 @@ import yaml
 
 from recipe import Config, ConfigError, load_config
 from recipe.config import parse_overrides
+from tests.helpers import ROOT
 
-RECIPE = Path(__file__).parents[2] / "configs" / "smollm2-135m-independent.yaml"
+RECIPE = ROOT / "configs" / "smollm2-135m-independent.yaml"
 
 
 def test_shipped_recipe_loads_and_matches_its_yaml():
@@ -99,7 +100,6 @@ def test_train_section_reads_yaml_1_1_scalars_and_rejects_bad_losses():
 
 
 def test_tests_write_under_a_temporary_cache(temporary_cache):
-    from pathlib import Path
 
     from recipe import cache_root
 
@@ -107,7 +107,7 @@ def test_tests_write_under_a_temporary_cache(temporary_cache):
     assert Path.home() / ".cache" not in cache_root().parents
 
 
-@pytest.mark.parametrize("recipe", sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")),
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_every_recipe_loads_with_the_auto_backend(recipe):
     cfg = load_config(recipe)

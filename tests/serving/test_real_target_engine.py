@@ -9,9 +9,10 @@ from assets.target import end_of_turn_ids, load_target, resolve_target
 from decoding.engine import DecodeSettings, generate, left_pad
 from drafts.eagle3 import Eagle3Draft, Eagle3Head, default_aux_layers
 from drafts.independent import ModelDraft, layer_truncated
-from drafts.medusa import MedusaDraft, MedusaHeads
+from drafts.medusa import MedusaDraft
 from drafts.prompt_lookup import PromptLookupDraft
 from recipe import ModelConfig
+from tests.helpers import fit_medusa_heads
 
 pytestmark = pytest.mark.integration
 NEW_TOKENS = 48
@@ -34,12 +35,11 @@ def setup(smollm2_tokenizer):
     return target, prompts, eos, reference
 
 
-def _medusa(target):
-    torch.manual_seed(0)
-    heads = MedusaHeads.from_target(target, num_heads=4)
-    for block in heads.blocks:  # away from the identity, so the heads propose varied tokens
-        torch.nn.init.normal_(block.layers[0].weight, std=0.02)
-    return MedusaDraft(heads.eval())
+def _medusa(target, prompts, reference):
+    """Heads fitted briefly to the target's answers (lm_heads kept the target's), so that they
+    are right at times and the equality covers accepted tokens."""
+    return MedusaDraft(fit_medusa_heads(target, [p + r for p, r in zip(prompts, reference)],
+                                        num_heads=4, steps=15, lr=1e-2, train_lm_heads=False))
 
 
 def _eagle3(target):
@@ -59,7 +59,7 @@ def test_greedy_speculation_equals_target_on_mtbench_questions(setup, draft_kind
     target, prompts, eos, reference = setup
     draft = {"layer-truncated": lambda: ModelDraft(layer_truncated(target, 4)),
              "prompt lookup": lambda: PromptLookupDraft(target.config.vocab_size),
-             "medusa": lambda: _medusa(target),
+             "medusa": lambda: _medusa(target, prompts, reference),
              "eagle3": lambda: _eagle3(target)}[draft_kind]()
     outputs, accepted = [], 0
     for b in range(0, len(prompts), 5):  # batches of 5, left-padded
@@ -70,5 +70,5 @@ def test_greedy_speculation_equals_target_on_mtbench_questions(setup, draft_kind
         accepted += sum(s.accepted for s in gen.stats)
     for row, (got, want) in enumerate(zip(outputs, reference)):
         assert got == want, f"MT-bench question {row}"
-    if draft_kind in ("layer-truncated", "prompt lookup") or tree:  # right at times
+    if draft_kind != "eagle3" or tree:  # right at times
         assert accepted > 0  # the equality covers accepted draft tokens, not only rejections

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from recipe import load_config
 from serving.export import export_draft
 from serving.validate import main, validate
-from tests.conftest import kill_process_tree
+from tests.helpers import kill_process_tree, recipe_path
 
 pytestmark = pytest.mark.integration
 SETTINGS = ["eval.num_prompts=2", "eval.max_new_tokens=24"]
@@ -94,7 +94,7 @@ def run(tmp_path_factory, smollm2_tokenizer):
     draft = out / "train" / "draft"
     layer_truncated(target, 28).save_pretrained(draft)
     smollm2_tokenizer.save_pretrained(draft)
-    cfg = load_config("configs/smollm2-135m-independent.yaml", [f"run.output_dir={out}",
+    cfg = load_config(recipe_path("smollm2-135m-independent"), [f"run.output_dir={out}",
                                                                 *SETTINGS])
     return cfg, export_draft(cfg, k=3)
 
@@ -114,7 +114,7 @@ def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(
     intervals overlap; ours sampling its draft at T instead is accepted far more often with
     this near-copy of the target, and the check says so (vLLM's run reused from the cache)."""
     cfg, exported = run
-    cfg = load_config("configs/smollm2-135m-independent.yaml", [
+    cfg = load_config(recipe_path("smollm2-135m-independent"), [
         f"run.output_dir={cfg.run.output_path}", "eval.num_prompts=8",
         "eval.max_new_tokens=64", "eval.batch_size=8"])
     right = validate(cfg, exported.folder, enforce_eager=True, temperature=1.0)
@@ -129,7 +129,7 @@ def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(
 def test_a_corrupted_export_fails_the_validation(run, tmp_path):
     cfg, exported = run
 
-    code, result = _cli("configs/smollm2-135m-independent.yaml", cfg,
+    code, result = _cli(recipe_path("smollm2-135m-independent"), cfg,
                         _corrupt(exported.folder, tmp_path, _reversed_layers))
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"]
     assert any("tau" in f for f in result["failures"])
@@ -147,7 +147,7 @@ def eagle_run(tmp_path_factory, smollm2_tokenizer):
     from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-eagle3") / "run"
-    cfg, target, batch = _own_answers("configs/smollm2-135m-eagle3.yaml", out, smollm2_tokenizer)
+    cfg, target, batch = _own_answers(recipe_path("smollm2-135m-eagle3"), out, smollm2_tokenizer)
     aux = default_aux_layers(target.config.num_hidden_layers)
     features = target_hidden(target, batch, aux)
     p_logits = target_logits(target, batch, features)
@@ -178,7 +178,7 @@ def test_a_d2t_from_another_vocabulary_fails_the_validation(eagle_run, tmp_path)
     def shifted(weights):
         return {**weights, "d2t": weights["d2t"] + 1, "t2d": weights["t2d"].roll(1)}
 
-    code, result = _cli("configs/smollm2-135m-eagle3.yaml", cfg,
+    code, result = _cli(recipe_path("smollm2-135m-eagle3"), cfg,
                         _corrupt(exported.folder, tmp_path, shifted))
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"]
     assert result["identical_engine_texts"] == 2  # lossless all the same
@@ -195,7 +195,7 @@ def medusa_run(tmp_path_factory, smollm2_tokenizer):
     from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-medusa") / "run"
-    cfg, target, batch = _own_answers("configs/smollm2-135m-medusa.yaml", out, smollm2_tokenizer)
+    cfg, target, batch = _own_answers(recipe_path("smollm2-135m-medusa"), out, smollm2_tokenizer)
     features = target_hidden(target, batch)
     p_logits = target_logits(target, batch, features)
     torch.manual_seed(0)
@@ -209,8 +209,8 @@ def medusa_run(tmp_path_factory, smollm2_tokenizer):
 
 def test_vllm_serves_medusa_heads_as_our_engine_does_and_a_swap_fails(medusa_run, tmp_path):
     cfg, exported = medusa_run
-    recipe = "configs/smollm2-135m-medusa.yaml"
-    code, result = _cli(recipe, cfg, exported.folder)
+    medusa = recipe_path("smollm2-135m-medusa")
+    code, result = _cli(medusa, cfg, exported.folder)
     assert code == 0 and result["method"] == "medusa" and result["tau_ours"] > 1.5, result
     assert result["identical_engine_texts"] == 2
 
@@ -218,7 +218,7 @@ def test_vllm_serves_medusa_heads_as_our_engine_does_and_a_swap_fails(medusa_run
         return {name.replace("blocks.0.", "blocks.#.").replace("blocks.2.", "blocks.0.")
                 .replace("blocks.#.", "blocks.2."): tensor for name, tensor in weights.items()}
 
-    code, result = _cli(recipe, cfg, _corrupt(exported.folder, tmp_path, swapped))
+    code, result = _cli(medusa, cfg, _corrupt(exported.folder, tmp_path, swapped))
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
     assert any("alpha" in f for f in result["failures"])
     assert result["identical_engine_texts"] == 2  # lossless all the same
@@ -236,7 +236,7 @@ def dflash_run(tmp_path_factory, smollm2_tokenizer):
     from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-dflash") / "run"
-    cfg, target, batch = _own_answers("configs/smollm2-135m-dflash.yaml", out, smollm2_tokenizer)
+    cfg, target, batch = _own_answers(recipe_path("smollm2-135m-dflash"), out, smollm2_tokenizer)
     aux = default_aux_layers(target.config.num_hidden_layers)
     features = target_hidden(target, batch, aux)
     p_logits = target_logits(target, batch, features)
@@ -270,7 +270,7 @@ def test_a_dflash_config_that_misleads_vllm_fails_the_validation(dflash_run, tmp
     config = json.loads((broken / "config.json").read_text())
     config["dflash_config"]["mask_token_id"] = 17  # 15 has 16's embedding (untrained specials)
     (broken / "config.json").write_text(json.dumps(config))
-    code, result = _cli("configs/smollm2-135m-dflash.yaml", cfg, broken)
+    code, result = _cli(recipe_path("smollm2-135m-dflash"), cfg, broken)
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
     assert result["identical_engine_texts"] == 2  # lossless all the same
 
@@ -286,7 +286,7 @@ def pard_run(tmp_path_factory, smollm2_tokenizer):
     from train.loop import target_logits
 
     out = tmp_path_factory.mktemp("validate-pard") / "run"
-    cfg, target, batch = _own_answers("configs/smollm2-135m-pard.yaml", out, smollm2_tokenizer)
+    cfg, target, batch = _own_answers(recipe_path("smollm2-135m-pard"), out, smollm2_tokenizer)
     p_logits = target_logits(target, batch, target_hidden(target, batch))
     draft = layer_truncated(target, 6).requires_grad_(True)
     draft.get_input_embeddings().requires_grad_(False)
@@ -304,8 +304,8 @@ def test_vllm_serves_a_pard_draft_as_our_engine_does(pard_run):
     cfg, exported = pard_run
     speculative = json.loads((exported.folder / "vllm_speculative_config.json").read_text())
     assert speculative["method"] == "draft_model" and speculative["parallel_drafting"] is True
-    recipe = "configs/smollm2-135m-pard.yaml"
-    code, result = _cli(recipe, cfg, exported.folder)
+    pard = recipe_path("smollm2-135m-pard")
+    code, result = _cli(pard, cfg, exported.folder)
     assert code == 0 and result["tau_ours"] > 1.5, result
     assert result["identical_engine_texts"] == 2
 
@@ -326,7 +326,7 @@ def llama_run(run):
     """The run's draft (28 of the target's 30 layers) as GGUF, k=3."""
     from serving.export import export_gguf
 
-    cfg = _llama_cfg("configs/smollm2-135m-independent.yaml", run[0])
+    cfg = _llama_cfg(recipe_path("smollm2-135m-independent"), run[0])
     exported = export_gguf(cfg, k=3)
     assert exported.method == "draft-simple" and (exported.folder / "draft-f32.gguf").is_file()
     return cfg
@@ -359,7 +359,7 @@ def test_llamacpp_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_cau
     more often that way, and the check says so."""
     from serving.validate import validate_llamacpp
 
-    cfg = load_config("configs/smollm2-135m-independent.yaml", [
+    cfg = load_config(recipe_path("smollm2-135m-independent"), [
         f"run.output_dir={llama_run.run.output_path}", "eval.num_prompts=8",
         "eval.max_new_tokens=64", "eval.batch_size=8"])
     right = validate_llamacpp(cfg, temperature=1.0)
@@ -377,7 +377,7 @@ def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp
 
     broken = _corrupt(cfg.run.output_path / "train" / "draft", tmp_path, _reversed_layers)
     folder = export_gguf(cfg, 3, draft_folder=broken, out=tmp_path / "broken-gguf").folder
-    code, result = _cli("configs/smollm2-135m-independent.yaml", cfg, folder, "--engine",
+    code, result = _cli(recipe_path("smollm2-135m-independent"), cfg, folder, "--engine",
                         "llamacpp", settings=LLAMA, results="results-llamacpp.json")
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
     _texts_kept(cfg)  # lossless all the same
@@ -387,7 +387,7 @@ def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run):
     from serving.export import export_gguf
     from serving.validate import validate_llamacpp
 
-    cfg = _llama_cfg("configs/smollm2-135m-eagle3.yaml", eagle_run[0])
+    cfg = _llama_cfg(recipe_path("smollm2-135m-eagle3"), eagle_run[0])
     exported = export_gguf(cfg, k=3)
     assert exported.method == "draft-eagle3"
     result = validate_llamacpp(cfg)
@@ -448,7 +448,7 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
     with log.open("w") as sink:
         server = subprocess.Popen(
             [sys.executable, "-m", "serving.server", "--config",
-             "configs/smollm2-135m-independent.yaml", f"run.output_dir={cfg.run.output_path}",
+             recipe_path("smollm2-135m-independent"), f"run.output_dir={cfg.run.output_path}",
              "--engine", "vllm", "--port", str(port), "--enforce-eager"],
             stdout=sink, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

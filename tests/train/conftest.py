@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from recipe import load_config
-from tests.conftest import chat_records, write_jsonl
+from tests.helpers import chat_records, recipe_path, write_jsonl
 
 
 def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
@@ -32,7 +32,7 @@ def tiny_stage1(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny_stage1")
     prompts = write_jsonl(root / "prompts.jsonl", chat_records(16))
     out = root / "run"
-    run_distill(load_config("configs/smollm2-135m-independent.yaml",
+    run_distill(load_config(recipe_path("smollm2-135m-independent"),
                             tiny_overrides(tiny_target, prompts, out)), Accelerator(cpu=True))
     _reset_accelerate()
     return prompts, out
@@ -46,7 +46,7 @@ def tiny_run(tiny_target, tiny_stage1, tmp_path):
     shutil.copytree(source, out)
 
     def make(*overrides: str):
-        return load_config("configs/smollm2-135m-independent.yaml",
+        return load_config(recipe_path("smollm2-135m-independent"),
                            tiny_overrides(tiny_target, prompts, out) + list(overrides))
     return make
 

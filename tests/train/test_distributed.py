@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
+from tests.helpers import ROOT
 from train import accelerator_kwargs, train_draft
-
-ROOT = Path(__file__).parents[2]
 
 
 def _losses(out: Path) -> dict[int, float]:

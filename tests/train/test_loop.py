@@ -12,7 +12,7 @@ import torch
 from accelerate import Accelerator
 
 from recipe import ConfigError
-from tests.conftest import kill_process_tree
+from tests.helpers import ROOT, kill_process_tree, tensorboard_scalars, wandb_history
 from train import TrainingDiverged, accelerator_kwargs, train_draft
 from train.data import checkpoint_name
 
@@ -163,11 +163,17 @@ def test_trackers_write_offline(tiny_run, tracker):
     cfg = tiny_run(f"tracking.tracker={tracker}", "train.max_steps=2", "train.warmup_steps=0")
     _train(cfg)
     out = cfg.run.output_path / "train"
+    logged = {e["optimizer_step"]: e["loss"] for e in _log(cfg.run.output_path) if "loss" in e}
+    assert sorted(logged) == [1, 2]
     if tracker == "tensorboard":
-        assert list(out.rglob("events.out.tfevents.*"))
+        read = tensorboard_scalars(out, "loss")
     else:
-        runs = list((out / "wandb").glob("offline-run-*"))
-        assert runs and list(runs[0].glob("*.wandb"))
+        runs = list((out / "wandb").glob("offline-run-*/*.wandb"))
+        assert len(runs) == 1, runs
+        read = {row["_step"]: row["loss"] for row in wandb_history(runs[0]) if "loss" in row}
+    assert read.keys() == logged.keys()
+    for step, loss in logged.items():  # tensorboard stores float32
+        assert read[step] == pytest.approx(loss, rel=1e-6), step
 
 
 KILLED_RUNS = {  # every path whose state a checkpoint must carry
@@ -200,7 +206,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     killed = tmp_path / "killed"
     shutil.copytree(reference.run.output_path, killed,
                     ignore=shutil.ignore_patterns("train", "features"))  # the stage-1 data only
-    root = Path(__file__).parents[2]
+    root = ROOT
     launcher = [sys.executable]
     if case == "ddp-2-processes":  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
         overrides = [*overrides, "train.gradient_accumulation_steps=2"]

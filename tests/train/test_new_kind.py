@@ -16,6 +16,7 @@ from drafts import registry
 from drafts.folders import load_folder, save_folder
 from drafts.kind import LoadedDraft, SameVocabulary, Slot
 from recipe import ConfigError, TrainConfig
+from tests.helpers import reference_tau
 from train import accelerator_kwargs, train_draft
 
 # --- the toy kind's module ----------------------------------------------------------------------
@@ -142,7 +143,11 @@ def test_a_toy_kind_trains_serves_and_is_measured_with_one_registry_line(
     report = evaluate(cfg, torch.device("cpu"))
     assert list(report["methods"]) == ["target", "speculative"]  # hf_assisted: not an LM
     spec = report["methods"]["speculative"]
-    assert spec["identical_to_target"] == 3 and 1.0 <= spec["tau"] <= 3.0
+    assert spec["identical_to_target"] == 3
+    unigram = load_folder(summary.draft_dir, lambda config, state: Unigram(config["vocab_size"]),
+                          "a unigram draft", torch.float32, torch.device("cpu"))
+    top = int(unigram.logits.argmax())  # greedy: its argmax, k times
+    assert spec["tau"] == pytest.approx(reference_tau(cfg, lambda target: lambda ids, k: [top] * k))
     assert report["draft"].endswith("(unigram)")
 
     with pytest.raises(ConfigError, match="a unigram toy exports as"):

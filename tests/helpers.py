@@ -1,0 +1,215 @@
+"""What several test modules share: the repository root, prompt files, the one tiny-model
+factory, killing a launcher's process tree, and a reference for greedy speculative counts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: tests name configs/ and distill.py through it, never through the
+working directory."""
+
+
+def recipe_path(name: str) -> str:
+    """The path of configs/<name>.yaml in the repository, whatever the working directory."""
+    return str(ROOT / "configs" / f"{name}.yaml")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chat_records(n: int) -> list[dict]:
+    """n small conversations, some with two user turns."""
+    return [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+        {"from": "gpt", "value": "an answer the target will replace"},
+        *([{"from": "human", "value": "And times two?"}] if i % 2 else []),
+    ]} for i in range(n)]
+
+
+def tiny_llama(vocab_size: int, *, seed: int = 0, layers: int = 2, hidden: int = 64,
+               heads: int = 4, kv_heads: int = 2, context: int = 1024, init: float = 0.2,
+               **config):
+    """A random Llama of `layers` x `hidden` (MLP 2 x hidden), seeded, in eval mode. A large
+    `init` gives peaked logits, so greedy argmax has no near-ties; `config` adds LlamaConfig
+    fields (eos_token_id, pad_token_id, tie_word_embeddings, ...)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=context, initializer_range=init, **config)).eval()
+
+
+def save_tiny_llama(folder: Path, tokenizer, **kwargs) -> Path:
+    """tiny_llama with the tokenizer's vocabulary, saved with the tokenizer as an HF folder."""
+    tiny_llama(len(tokenizer), **kwargs).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant (torchrun's and vLLM's workers leave the
+    launcher's process group, so killing the group is not enough); ones already gone are
+    skipped."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        processes = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@torch.no_grad()
+def greedy_chain_counts(target, propose: Callable[[list[int], int], list[int]],
+                        prompt: Sequence[int], k: int, max_new_tokens: int,
+                        stop_ids: Sequence[int] = ()) -> tuple[int, int]:
+    """What greedy speculative decoding with a chain of k must count, computed the slow and
+    obvious way (no KV cache, no batching, no engine): prompt -> (steps, accepted draft tokens).
+
+    The first token is the target's argmax after the prompt; then each step asks
+    propose(tokens so far, k) for k tokens, runs the target over everything, accepts the longest
+    prefix equal to the target's argmax and adds the target's next token; a step's tokens after
+    a stop token or past max_new_tokens are not emitted, but its accepted count stands."""
+    def argmax_after(ids: list[int]) -> torch.Tensor:
+        return target(torch.tensor([ids])).logits[0].argmax(-1)  # [T]
+
+    prompt = list(prompt)
+    output = [int(argmax_after(prompt)[-1])]
+    steps = accepted = 0
+
+    def stopped() -> bool:
+        return output[-1] in stop_ids or len(output) >= max_new_tokens
+
+    while not stopped():
+        draft = [int(t) for t in propose(prompt + output, k)]
+        assert len(draft) == k
+        best = argmax_after(prompt + output + draft)[len(prompt) + len(output) - 1:]  # [k+1]
+        n = next((i for i in range(k) if draft[i] != int(best[i])), k)
+        steps, accepted = steps + 1, accepted + n
+        for token in draft[:n] + [int(best[n])]:
+            output.append(token)
+            if stopped():
+                break
+    return steps, accepted
+
+
+def greedy_lm_proposer(draft) -> Callable[[list[int], int], list[int]]:
+    """propose() for greedy_chain_counts from a causal LM draft: its argmax k times."""
+    @torch.no_grad()
+    def propose(ids: list[int], k: int) -> list[int]:
+        ids = list(ids)
+        for _ in range(k):
+            ids.append(int(draft(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[-k:]
+    return propose
+
+
+def reference_tau(cfg, proposer_for: Callable) -> float:
+    """tau of a greedy chain over a recipe's eval prompts, counted without the engine:
+    proposer_for(target) gives greedy_chain_counts' propose()."""
+    from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+    from eval.speculative import load_eval_prompts
+
+    resolved = resolve_target(cfg.model)
+    target = load_target(resolved, "float32", torch.device("cpu"))
+    tokenizer = load_tokenizer(resolved)
+    prompts, _ = load_eval_prompts(cfg, tokenizer, None)
+    propose = proposer_for(target)
+    counts = [greedy_chain_counts(target, propose, p, cfg.eval.k, cfg.eval.max_new_tokens,
+                                  end_of_turn_ids(target, tokenizer)) for p in prompts]
+    return 1 + sum(a for _, a in counts) / sum(s for s, _ in counts)
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of an offline W&B run file (<run>/run-<id>.wandb), read back without
+    wandb's service: a 7-byte header, then LevelDB-log records (crc, length, type; 32 KiB
+    blocks) holding wandb_internal_pb2.Record protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, rows = run_file.read_bytes(), []
+    position, block, chunks = 7, 32768, b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if kind == 0 and length == 0:
+            break
+        body = data[position + 7:position + 7 + length]
+        position += 7 + length
+        chunks = body if kind in (1, 2) else chunks + body  # full / first : middle / last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def tensorboard_scalars(folder: Path, tag: str) -> dict[int, float]:
+    """step -> value of one scalar tag in the tensorboard event files under folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for events in folder.rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if tag in accumulator.Tags().get("scalars", []):
+            values.update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return values
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """Two state dicts hold the same names and, under each, an equal tensor."""
+    assert got.keys() == want.keys(), (f"missing {sorted(want.keys() - got.keys())}, "
+                                       f"extra {sorted(got.keys() - want.keys())}")
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+def fit_medusa_heads(target, sequences: list[list[int]], num_heads: int = 4, steps: int = 20,
+                     lr: float = 3e-3, train_lm_heads: bool = True):
+    """Medusa heads fitted for a few Adam steps to the given token sequences (the target's own
+    greedy continuations): heads that are right often and, being small, not always, so a test
+    with them exercises acceptance and rejection. Head j at position s predicts seq[s + 2 + j]."""
+    import torch.nn.functional as F
+
+    from drafts.medusa import MedusaHeads
+
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, num_heads=num_heads)
+    for head in heads.lm_heads:
+        head.weight.requires_grad_(train_lm_heads)
+    data = []
+    for seq in sequences:
+        seq = torch.tensor([seq])
+        with torch.no_grad():
+            data.append((seq[0], target(seq, output_hidden_states=True).hidden_states[-1][0]))
+    optimizer = torch.optim.Adam([p for p in heads.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = 0.0
+        for seq, hidden in data:
+            logits = heads(hidden)  # [heads, T, V]
+            for j in range(num_heads):
+                loss = loss + F.cross_entropy(logits[j, : len(seq) - 2 - j], seq[2 + j:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return heads.eval()
