@@ -1,13 +1,22 @@
-"""Shared fixtures: the embedded target's tokenizer and a tiny random 2-layer target using it."""
+"""Shared fixtures: the embedded target's tokenizer, a tiny random 2-layer target using it, and
+stage-1 data from that target written once per session and copied into each test that trains."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import save_tiny_llama
+from recipe import load_config
+from tests.helpers import (
+    chat_records,
+    recipe_path,
+    save_tiny_llama,
+    tiny_overrides,
+    write_jsonl,
+)
 
 FAST_TIER_LIMIT_S = 20.0
 """A fast-tier test whose call or setup takes longer is listed at the end of the run."""
@@ -69,3 +78,46 @@ def tiny_target(tmp_path_factory, smollm2_tokenizer) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_target"), smollm2_tokenizer,
                            context=512, init=0.02, bos_token_id=1, eos_token_id=2,
                            pad_token_id=2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_stage1(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    """(prompts file, a run folder holding complete stage-1 data of 16 conversations)."""
+    from accelerate import Accelerator
+
+    from distill import run_distill
+
+    root = tmp_path_factory.mktemp("tiny_stage1")
+    prompts = write_jsonl(root / "prompts.jsonl", chat_records(16))
+    out = root / "run"
+    run_distill(load_config(recipe_path("smollm2-135m-independent"),
+                            tiny_overrides(tiny_target, prompts, out)), Accelerator(cpu=True))
+    _reset_accelerate()
+    return prompts, out
+
+
+@pytest.fixture
+def tiny_run(tiny_target, tiny_stage1, tmp_path):
+    """-> function(*overrides) giving a Config whose run folder holds a copy of the data."""
+    prompts, source = tiny_stage1
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+
+    def make(*overrides: str):
+        return load_config(recipe_path("smollm2-135m-independent"),
+                           tiny_overrides(tiny_target, prompts, out) + list(overrides))
+    return make
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
+    yield
+    _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

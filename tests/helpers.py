@@ -213,3 +213,15 @@ def fit_medusa_heads(target, sequences: list[list[int]], num_heads: int = 4, ste
         loss.backward()
         optimizer.step()
     return heads.eval()
+
+
+def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
+    """A recipe shrunk to the tiny target: 24 new tokens, 6 optimizer steps of 2 x 2, fp32."""
+    return [f"model.target={tiny_target}", f"data.sources=[{prompts}]", f"run.output_dir={out}",
+            "data.max_prompts=null", "data.max_prompt_tokens=null", "data.held_out_fraction=0.25",
+            "generation.max_new_tokens=24", "generation.top_k_logprobs=8", "generation.backend=hf",
+            "train.draft=layer-truncated:1",
+            "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+            "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
+            "train.save_every=3", "train.eval_every=3", "train.eval_k=3",
+            "train.mixed_precision=no"]

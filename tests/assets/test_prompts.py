@@ -62,7 +62,8 @@ def test_shipped_sharegpt_is_salvaged_and_counted():
 
 def test_user_json_that_is_truncated_is_an_error_not_a_silent_salvage(tmp_path):
     path, _ = _cut_json_array(tmp_path, chat_records(4), 10)
-    with pytest.raises(ConfigError, match=r"truncated or malformed at byte [\d,]+ of [\d,]+ \(3 complete records"):
+    with pytest.raises(ConfigError, match=r"truncated or malformed at byte [\d,]+ of [\d,]+ "
+                                          r"\(3 complete records"):
         load_file(path)
 
 

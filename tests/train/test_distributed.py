@@ -36,7 +36,7 @@ def single_process_curve(tiny_run):
 @pytest.mark.parametrize("launch_config", ["ddp-cpu.yaml", "deepspeed-zero2-cpu.yaml"])
 def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, launch_config,
                                  single_process_curve):
-    from tests.train.conftest import tiny_overrides
+    from tests.helpers import tiny_overrides
 
     prompts, source = tiny_stage1
     out = tmp_path / "dist"
