@@ -25,7 +25,13 @@ KINDS = {
     "eagle3": ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]",
                "train.draft_vocab_size=1024", "train.ttt_steps=3", "train.loss=fkl"),
 }
-TOLERANCE = 1e-6  # relative to max(1, |value|)
+TOLERANCE = 3e-6
+"""Relative to max(1, |value|). The curves are fp32 on one thread, yet CPUs differ in their
+kernels: a 2-core Intel Xeon with AVX512-BF16/AMX differs from loss_curves.json (recorded at
+commit 8ef852a on a 2-core x86 CPU whose model was not recorded) by at most 6.0e-7 (independent
+4.6e-7, medusa 6.0e-7, eagle3 1.8e-7), and CI's machines of other models stayed within 1e-6.
+5x that spread still fails any change of what a kind trains: multiplying Medusa's head decay by
+0.99 moves its curve by 2.8e-4."""
 
 
 def curve(cfg) -> dict:
