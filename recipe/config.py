@@ -167,10 +167,13 @@ class DecodeSettings:
     one definition of these settings and their checks (the eval section extends it)."""
 
     max_new_tokens: int = 256
+    """Tokens generated per request at most."""
     temperature: float = 0.0
     """0 is greedy decoding; > 0 samples."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens holding this mass (1.0: off)."""
     top_k: int = 0
+    """Sample among the k likeliest tokens only (0: off)."""
     draft_temperature: float | None = None
     """The temperature the draft proposes at when temperature > 0 (lossless whatever it is: the
     verification uses the q the tokens came from). None: the target's (standard speculative
@@ -187,11 +190,13 @@ class DecodeSettings:
     """Tune k online: +2 after a step where every active row accepted all k, else -1, within
     [1, k_max] (the schedule of HF assisted generation's 'heuristic')."""
     k_max: int = 8
+    """The largest k adaptive_k may reach."""
     adaptive_policy: str = "step"
     """With adaptive_k: 'step' (the rule above) or 'window' (decoding/schedule.py: the k with
     the most expected tokens per second given the acceptance per position, the draft's and the
     target's seconds measured over the last window_ms)."""
     window_ms: float = 100.0
+    """With adaptive_policy 'window': how far back the measured steps count."""
     stop_strings: list[str] = field(default_factory=list)
     """A request also ends once its text contains one of these (kept in the output), besides
     the end-of-turn token."""
@@ -431,6 +436,7 @@ class TrainConfig:
     """EAGLE-3: 'online' runs the target on every batch; 'offline' writes its features (aux
     layers and last hidden state, feature_dtype) once to <run>/features and reads them back."""
     feature_dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    """Dtype of the offline feature dump (2 bytes per value either way)."""
     feature_noise: float = 0.0
     """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
     features in training (EAGLE's augmentation: serving feeds the head features the target
@@ -453,20 +459,27 @@ class TrainConfig:
     """Fraction of micro-batches where the draft samples its own continuation of the prompt and
     the target scores it (the loss is then on the draft's tokens); 0 = offline data only."""
     on_policy_max_new_tokens: int = 64
+    """Tokens the draft writes per on-policy continuation."""
     on_policy_temperature: float = 1.0
+    """The draft's sampling temperature for on-policy continuations."""
     max_steps: int = 100
     """Optimizer steps (each = gradient_accumulation_steps micro-batches per process)."""
     micro_batch_size: int = 4
     """Conversations per micro-batch per process."""
     gradient_accumulation_steps: int = 4
+    """Micro-batches per optimizer step, per process."""
     max_seq_len: int = 1024
     """Longer conversations are cut to this many tokens."""
     learning_rate: float = 1e-4
+    """AdamW's peak learning rate, reached after warmup_steps."""
     min_lr_ratio: float = 0.1
     """The cosine schedule ends at learning_rate * min_lr_ratio."""
     warmup_steps: int = 10
+    """Optimizer steps of linear warmup, before the cosine decay to learning_rate * min_lr_ratio."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """Autocast of the draft's and the target's matmuls in training ('fp16' needs a GPU; 'bf16'
     on CPU needs AVX512-BF16/AMX). 'auto': bf16 where the device runs it natively, else 'no'."""
@@ -478,12 +491,15 @@ class TrainConfig:
     lora_rank: int = 0
     """0: train all weights. > 0: PEFT LoRA adapters of this rank (merged into the saved draft)."""
     lora_alpha: int = 16
+    """LoRA scaling numerator (the adapters are scaled by lora_alpha / lora_rank)."""
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj",
                                                              "o_proj", "gate_proj", "up_proj",
                                                              "down_proj"])
+    """Module names LoRA adapts."""
     save_every: int = 50
     """Optimizer steps between checkpoints (the last step is always saved)."""
     keep_checkpoints: int = 2
+    """How many of the latest checkpoints are kept (older ones are deleted)."""
     eval_every: int = 50
     """Optimizer steps between held-out evaluations (also at step 0 and at the end)."""
     eval_k: int = 4
