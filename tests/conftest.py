@@ -13,6 +13,7 @@ from recipe import load_config
 from tests.helpers import (
     chat_records,
     recipe_path,
+    reset_accelerate,
     save_tiny_llama,
     tiny_overrides,
     write_jsonl,
@@ -92,7 +93,7 @@ def tiny_stage1(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
     out = root / "run"
     run_distill(load_config(recipe_path("smollm2-135m-independent"),
                             tiny_overrides(tiny_target, prompts, out)), Accelerator(cpu=True))
-    _reset_accelerate()
+    reset_accelerate()
     return prompts, out
 
 
@@ -113,11 +114,4 @@ def tiny_run(tiny_target, tiny_stage1, tmp_path):
 def fresh_accelerate_state():
     """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
     yield
-    _reset_accelerate()
-
-
-def _reset_accelerate() -> None:
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()

@@ -225,3 +225,30 @@ def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
             "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
             "train.save_every=3", "train.eval_every=3", "train.eval_k=3",
             "train.mixed_precision=no"]
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide singletons, so the next Accelerator starts afresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def run_recipe(argv: list) -> tuple[int, str, str]:
+    """distill.py's main(argv) in this process -> (exit code, stdout, stderr): what a launch of
+    the script gives, without paying for a new interpreter where a process proves nothing."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("distill_recipe", ROOT / "distill.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = module.main([str(a) for a in argv])
+    finally:
+        reset_accelerate()
+    return code, out.getvalue(), err.getvalue()

@@ -8,6 +8,8 @@ import pytest
 
 from tests.helpers import ROOT, chat_records, write_jsonl
 
+pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
+
 
 @pytest.mark.parametrize(("recipe", "draft", "methods"), [
     ("smollm2-135m-independent", "layer-truncated:1", {"target", "speculative", "prompt_lookup"}),

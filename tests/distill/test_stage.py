@@ -15,7 +15,14 @@ import pytest
 
 from distill import load_distilled
 from distill.shards import read_columns, shard_files
-from tests.helpers import ROOT, chat_records, kill_process_tree, write_jsonl
+from tests.helpers import (
+    ROOT,
+    chat_records,
+    kill_process_tree,
+    recipe_path,
+    run_recipe,
+    write_jsonl,
+)
 
 
 def _args(tiny_target, prompts, out, *extra):
@@ -70,6 +77,7 @@ def test_distill_writes_masked_sharded_data_with_manifest(tiny_target, tmp_path,
     assert counts["train"]["assistant_tokens"] == sum(sum(r) for r in ds["train"]["loss_mask"])
 
 
+@pytest.mark.slow
 def test_resume_after_a_real_kill_writes_every_prompt_exactly_once(tiny_target, tmp_path):
     n = 60
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(n))
@@ -108,11 +116,11 @@ def test_resume_after_a_real_kill_writes_every_prompt_exactly_once(tiny_target, 
 def test_output_from_other_settings_is_refused_and_left_intact(tiny_target, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
     out = tmp_path / "out"
-    assert _run(_args(tiny_target, prompts, out)).returncode == 0
+    assert run_recipe(_args(tiny_target, prompts, out))[0] == 0
     before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    other = _run(_args(tiny_target, prompts, out, "generation.max_new_tokens=7"))
-    assert other.returncode == 2
-    assert "refusing to mix" in other.stderr and "generation.max_new_tokens: 6" in other.stderr
+    code, _, err = run_recipe(_args(tiny_target, prompts, out, "generation.max_new_tokens=7"))
+    assert code == 2
+    assert "refusing to mix" in err and "generation.max_new_tokens: 6" in err
     assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
 
 
@@ -140,8 +148,8 @@ def test_shards_without_a_manifest_are_refused(tiny_target, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(3))
     (tmp_path / "out" / "data").mkdir(parents=True)
     (tmp_path / "out" / "data" / "train-r0-00000.parquet").write_bytes(b"foreign")
-    result = _run(_args(tiny_target, prompts, tmp_path / "out"))
-    assert result.returncode == 2 and "no manifest.json" in result.stderr
+    code, _, err = run_recipe(_args(tiny_target, prompts, tmp_path / "out"))
+    assert code == 2 and "no manifest.json" in err
 
 
 @pytest.mark.parametrize("overlong, kept", [("skip", 2), ("truncate", 3)])
@@ -149,9 +157,9 @@ def test_overlong_first_prompts_are_skipped_or_truncated(tiny_target, tmp_path, 
     records = chat_records(2) + [{"id": "long", "prompt": "word " * 400}]
     prompts = write_jsonl(tmp_path / "p.jsonl", records)
     out = tmp_path / overlong
-    result = _run(_args(tiny_target, prompts, out, "data.max_prompt_tokens=120",
-                        f"data.overlong={overlong}"))
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_recipe(_args(tiny_target, prompts, out, "data.max_prompt_tokens=120",
+                                    f"data.overlong={overlong}"))
+    assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     written = read_columns(out / "data", ["id", "input_ids", "loss_mask"])
     assert len(written) == kept
@@ -161,9 +169,9 @@ def test_overlong_first_prompts_are_skipped_or_truncated(tiny_target, tmp_path, 
 
 
 def test_bad_config_exits_2_with_the_message(tmp_path):
-    result = _run(["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
-                   "data.max_promts=3"])
-    assert result.returncode == 2 and "valid keys of 'data'" in result.stderr
+    code, _, err = run_recipe(["--config", recipe_path("smollm2-135m-independent"),
+                               "data.max_promts=3"])
+    assert code == 2 and "valid keys of 'data'" in err
 
 
 def _rows(out: Path) -> list[dict]:
@@ -172,6 +180,7 @@ def _rows(out: Path) -> list[dict]:
     return sorted(read_columns(out / "data", columns), key=lambda r: r["id"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling,processes", [("greedy", 1), ("sampled", 2)])  # ~100 s each
 def test_killed_three_times_then_resumed_writes_what_an_uninterrupted_run_writes(
         tiny_target, tmp_path, sampling, processes):

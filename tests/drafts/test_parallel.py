@@ -245,14 +245,11 @@ def test_bad_parallel_input_is_refused(tmp_path, target, dflash, smollm2_tokeniz
 
 
 def test_a_pard_draft_with_another_vocabulary_is_refused(tmp_path, target):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from drafts.independent import VocabMismatchError
     from drafts.pard import Pard
 
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 10, hidden_size=32,
-                                         intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    other = tiny_llama(VOCAB + 10, layers=1, hidden=32)
     other.config.pard_token, other.config.pard_trained_k = MASK, K
     other.save_pretrained(tmp_path)
     with pytest.raises(VocabMismatchError, match="the draft's vocabulary has 60 tokens"):

@@ -14,6 +14,7 @@ from tests.helpers import (
     greedy_lm_proposer,
     reference_tau,
     save_tiny_llama,
+    tiny_llama,
     write_jsonl,
 )
 
@@ -85,14 +86,11 @@ def test_bad_tree_settings_are_refused(peaked_target, tmp_path, override, messag
 
 
 def test_draft_with_another_vocabulary_is_refused_before_generation(peaked_target, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from drafts.independent import VocabMismatchError
 
     other = tmp_path / "other"
-    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1)).save_pretrained(other)
+    tiny_llama(1000, layers=1, hidden=32, heads=2, kv_heads=1).save_pretrained(other)
     with pytest.raises(VocabMismatchError, match="1000 tokens"):
         evaluate(_cfg(peaked_target, tmp_path, f"eval.draft={other}"), torch.device("cpu"))
 

@@ -8,7 +8,7 @@ import torch
 from drafts.medusa import MedusaHeads
 from recipe import ConfigError, load_config
 from serving.export import export_draft
-from tests.helpers import assert_same_state
+from tests.helpers import assert_same_state, tiny_llama
 
 
 def _cfg(tiny_target, tmp_path):
@@ -50,14 +50,11 @@ def test_more_tokens_than_heads_is_refused_and_nothing_is_written(tiny_target, t
 
 
 def test_heads_or_drafts_for_another_target_are_refused(tiny_target, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     MedusaHeads(32, 1000, num_heads=2).save_pretrained(tmp_path / "heads")
     with pytest.raises(ConfigError, match="hidden size 32 and predict 1000 tokens"):
         export_draft(_cfg(tiny_target, tmp_path), k=2, draft_folder=tmp_path / "heads")
-    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1)).save_pretrained(tmp_path / "lm")
+    tiny_llama(1000, layers=1, hidden=32, heads=2, kv_heads=1).save_pretrained(tmp_path / "lm")
     with pytest.raises(ConfigError, match="1000 tokens, the target's"):
         export_draft(_cfg(tiny_target, tmp_path), k=2, draft_folder=tmp_path / "lm")
     with pytest.raises(ConfigError, match="holds no trained draft"):
@@ -149,13 +146,10 @@ def test_eagle3_export_writes_vllm_native_layout(tiny_target, tmp_path):
 
 
 def test_default_aux_layers_are_not_written(smollm2_tokenizer, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from drafts.eagle3 import Eagle3Head
 
-    target = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=8, num_attention_heads=2,
-                                          num_key_value_heads=1))
+    target = tiny_llama(500, layers=8, hidden=32, heads=2, kv_heads=1)
     head = Eagle3Head.from_target(target, [2, 4, 5], torch.arange(100))
     config = head.config_dict()
     assert "eagle_aux_hidden_state_layer_ids" not in json.dumps(

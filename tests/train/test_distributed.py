@@ -19,6 +19,8 @@ from accelerate import Accelerator
 from tests.helpers import ROOT
 from train import accelerator_kwargs, train_draft
 
+pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
+
 
 def _losses(out: Path) -> dict[int, float]:
     lines = [json.loads(x) for x in (out / "train" / "log.jsonl").read_text().splitlines()]

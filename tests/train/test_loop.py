@@ -12,7 +12,13 @@ import torch
 from accelerate import Accelerator
 
 from recipe import ConfigError
-from tests.helpers import ROOT, kill_process_tree, tensorboard_scalars, wandb_history
+from tests.helpers import (
+    ROOT,
+    kill_process_tree,
+    tensorboard_scalars,
+    tiny_llama,
+    wandb_history,
+)
 from train import TrainingDiverged, accelerator_kwargs, train_draft
 from train.data import checkpoint_name
 
@@ -100,12 +106,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tiny_ru
 
 
 def test_a_draft_with_another_vocabulary_is_rejected(tiny_run, tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path / "other_vocab"
-    LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1)).save_pretrained(folder)
+    tiny_llama(1000, layers=1, hidden=32, heads=2, kv_heads=1).save_pretrained(folder)
     with pytest.raises(ConfigError, match="vocabulary has 1000 tokens"):
         _train(tiny_run(f"train.draft={folder}"))
 
@@ -187,6 +190,7 @@ KILLED_RUNS = {  # every path whose state a checkpoint must carry
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(KILLED_RUNS))
 def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_run, tmp_path,
                                                                           case):
