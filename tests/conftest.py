@@ -115,3 +115,12 @@ def fresh_accelerate_state():
     """Each test builds its own Accelerator; accelerate keeps process-wide singletons."""
     yield
     reset_accelerate()
+
+
+@pytest.fixture(scope="session")
+def llamacpp():
+    """llama.cpp's llama-server, built once per machine into $DRAFTSMITH_LLAMACPP (~10 minutes
+    on 2 cores the first time): setup that the llama.cpp tests share, timed as such."""
+    from serving.llamacpp import ensure_llamacpp
+
+    return ensure_llamacpp()

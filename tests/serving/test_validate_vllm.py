@@ -322,7 +322,7 @@ def _llama_cfg(recipe: str, cfg):
 
 
 @pytest.fixture(scope="module")
-def llama_run(run):
+def llama_run(run, llamacpp):
     """The run's draft (28 of the target's 30 layers) as GGUF, k=3."""
     from serving.export import export_gguf
 
@@ -370,7 +370,7 @@ def test_llamacpp_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_cau
     assert any("do not overlap" in f for f in wrong.failures)
 
 
-def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp_path):
+def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, llamacpp, tmp_path):
     from serving.export import export_gguf
 
     cfg, _ = run
@@ -383,7 +383,7 @@ def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, tmp
     _texts_kept(cfg)  # lossless all the same
 
 
-def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run):
+def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run, llamacpp):
     from serving.export import export_gguf
     from serving.validate import validate_llamacpp
 
