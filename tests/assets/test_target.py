@@ -31,7 +31,9 @@ def test_folder_without_config_is_rejected(tmp_path):
         resolve_target(ModelConfig(target=str(tmp_path)))
 
 
-def test_embedded_target_is_converted_once_and_identified_by_the_gguf(smollm2_folder):
+@pytest.mark.integration  # converts the real target's weights
+def test_embedded_target_is_converted_once_and_identified_by_the_gguf(smollm2_folder,
+                                                                      smollm2_tokenizer):
     resolved = resolve_target(ModelConfig())
     assert resolved.path == str(smollm2_folder)
     assert resolved.fingerprint.startswith("gguf-sha256:")
@@ -39,6 +41,12 @@ def test_embedded_target_is_converted_once_and_identified_by_the_gguf(smollm2_fo
     mtime = (smollm2_folder / "model.safetensors").stat().st_mtime
     assert resolve_target(ModelConfig()).path == resolved.path  # reused, not converted again
     assert (smollm2_folder / "model.safetensors").stat().st_mtime == mtime
+    from transformers import AutoTokenizer
+
+    converted = AutoTokenizer.from_pretrained(smollm2_folder)  # the tests' tokenizer is this one
+    assert converted.get_vocab() == smollm2_tokenizer.get_vocab()
+    assert converted.chat_template == smollm2_tokenizer.chat_template
+    assert converted.all_special_ids == smollm2_tokenizer.all_special_ids
 
 
 def test_local_folder_fingerprint_changes_with_the_weights(tiny_target, tmp_path):

@@ -61,11 +61,11 @@ def _draft(kind: str, target):
     return PromptLookupDraft(VOCAB, max_ngram=3, min_ngram=1)
 
 
-def _batch():
-    prompts = [PROMPTS[row % 2] for row in range(ROWS)]
+def _batch(rows: int = ROWS):
+    prompts = [PROMPTS[row % 2] for row in range(rows)]
     width = max(map(len, PROMPTS))
-    ids = torch.zeros(ROWS, width, dtype=torch.long)
-    mask = torch.zeros(ROWS, width, dtype=torch.long)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
@@ -94,8 +94,9 @@ def pit_p_value(target, prompts, outputs, settings: DecodeSettings, seed: int = 
 
 
 def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: int = 0,
-            tree: bool = False, ngram_branch: bool = False, tree_nodes: int = 0):
-    prompts, ids, mask = _batch()
+            tree: bool = False, ngram_branch: bool = False, tree_nodes: int = 0,
+            rows: int = ROWS):
+    prompts, ids, mask = _batch(rows)
     settings = DecodeSettings(max_new_tokens=NEW_TOKENS, k=K, temperature=temperature,
                               top_p=0.9, top_k=6, tree=tree, tree_width=2,
                               ngram_branch=ngram_branch, tree_nodes=tree_nodes)
@@ -124,6 +125,7 @@ def test_every_draft_kind_samples_the_targets_distribution(target, kind, tempera
     assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3
 
 
+@pytest.mark.slow  # the test's power, not the code: 12 runs of 2,000 rows
 @pytest.mark.parametrize("broken", list(BROKEN))
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
@@ -159,6 +161,7 @@ TREE_BROKEN = {  # wrong tree rules that the same bias check must catch
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", list(TREE_BROKEN))
 def test_a_wrong_tree_rule_fails_the_same_test(target, monkeypatch, broken):
     import decoding.tree
@@ -170,9 +173,9 @@ def test_a_wrong_tree_rule_fails_the_same_test(target, monkeypatch, broken):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_seeded_run_repeats_exactly_whatever_the_global_rng_does(target, kind):
-    runs = [_sample(target, kind, 1.0, seed=5, global_seed=g)[1].tokens for g in (0, 1)]
+    runs = [_sample(target, kind, 1.0, seed=5, global_seed=g, rows=64)[1].tokens for g in (0, 1)]
     assert runs[0] == runs[1]
-    assert _sample(target, kind, 1.0, seed=6)[1].tokens != runs[0]
+    assert _sample(target, kind, 1.0, seed=6, rows=64)[1].tokens != runs[0]
 
 
 if __name__ == "__main__":  # the figures: python -m tests.decoding.test_sampling
