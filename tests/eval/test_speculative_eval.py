@@ -33,7 +33,7 @@ def _cfg(target, tmp_path, *extra):
                               f"eval.prompts={prompts}", "eval.max_new_tokens=12", *extra])
 
 
-@pytest.mark.slow  # a whole eval run (every method, rounds): 20 s to 3 min
+@pytest.mark.slow  # a whole eval run: every method, interleaved rounds
 def test_eval_reports_every_method_and_stays_lossless(peaked_target, tmp_path):
     cfg = _cfg(peaked_target, tmp_path, "eval.draft=self", "eval.k=3")
     report = evaluate(cfg, torch.device("cpu"))
@@ -50,7 +50,7 @@ def test_eval_reports_every_method_and_stays_lossless(peaked_target, tmp_path):
     assert (out / "alpha_k.png").stat().st_size > 0 and (out / "throughput.png").is_file()
 
 
-@pytest.mark.slow  # a whole eval run (every method, rounds): 20 s to 3 min
+@pytest.mark.slow  # a whole eval run: every method, interleaved rounds
 def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
     cfg = _cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1",
                "eval.methods=[target, speculative]")
@@ -122,7 +122,7 @@ def medusa_folder(peaked_target, tmp_path):
     return folder
 
 
-@pytest.mark.slow  # a whole eval run (every method, rounds): 20 s to 3 min
+@pytest.mark.slow  # a whole eval run: every method, interleaved rounds
 def test_medusa_heads_and_an_independent_draft_in_one_run(peaked_target, medusa_folder,
                                                           tmp_path, capsys):
     cfg = _cfg(peaked_target, tmp_path, f"eval.draft={medusa_folder}", "eval.k=3",
@@ -165,7 +165,7 @@ def test_medusa_heads_of_another_target_are_refused(peaked_target, tmp_path):
                  torch.device("cpu"))
 
 
-@pytest.mark.slow  # a whole eval run (every method, rounds): 20 s to 3 min
+@pytest.mark.slow  # a whole eval run: every method, interleaved rounds
 def test_a_seeded_sampling_eval_repeats_exactly(peaked_target, tmp_path):
     """Every method, transformers' included, at T > 0 with top-p and top-k: the same seed gives
     the same texts, and another seed other texts."""
