@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from recipe import DecodeSettings
+
 
 def heuristic_k(k: int, accepted: list[int], k_max: int) -> int:
     """transformers' 'heuristic': +2 after a step where every row accepted all k, else -1."""
@@ -82,3 +84,54 @@ class WindowScheduler:
                            / max(sum(len(s.accepted) for s in self.steps), 1))
         verify = sum(s.verify_seconds for s in self.steps) / len(self.steps)
         return best_k(alpha, max(draft_per_token, 1e-9), max(verify, 1e-9), self.k_max)
+
+
+@dataclass
+class StepTimes:
+    end: float
+    """perf_counter seconds at the step's end."""
+    draft_seconds: float
+    verify_seconds: float
+
+
+class FixedK:
+    def next_k(self, k: int, accepted: list[int], active: list[int], done: list[bool],
+               times: StepTimes) -> int:
+        return k
+
+
+class HeuristicK:
+    """heuristic_k over the rows still decoding after the step (all rows when none is)."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+
+    def next_k(self, k: int, accepted: list[int], active: list[int], done: list[bool],
+               times: StepTimes) -> int:
+        still = [n for n, d in zip(accepted, done) if not d] or accepted
+        return heuristic_k(k, still, self.k_max)
+
+
+class WindowK:
+    """The WindowScheduler fed with each step: the rows active during it, the rows accepting
+    each position, its draft and verify seconds."""
+
+    def __init__(self, window_ms: float, k_max: int):
+        self.window = WindowScheduler(window_ms, k_max)
+
+    def next_k(self, k: int, accepted: list[int], active: list[int], done: list[bool],
+               times: StepTimes) -> int:
+        self.window.record(StepRecord(times.end, len(active),
+                                      [sum(accepted[row] > j for row in active)
+                                       for j in range(k)],
+                                      times.draft_seconds, times.verify_seconds))
+        return self.window.next_k(k)
+
+
+def make_schedule(settings: DecodeSettings, drafting: bool) -> FixedK | HeuristicK | WindowK:
+    """The k schedule settings ask for: fixed, per step (heuristic) or per time window."""
+    if not drafting or not settings.adaptive_k:
+        return FixedK()
+    if settings.adaptive_policy == "window":
+        return WindowK(settings.window_ms, settings.k_max)
+    return HeuristicK(settings.k_max)

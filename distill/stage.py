@@ -25,17 +25,18 @@ from distill.generate import (
     resolve_generation,
     topk_logprobs,
 )
-from distill.shards import (
+from recipe import Config, ConfigError
+from recipe.disk import check_free_space
+from runfolder import (
+    RunFolder,
     ShardWriter,
-    backend_counts,
     identity_differences,
     read_columns,
     read_manifest,
     shard_files,
     write_manifest,
 )
-from recipe import Config, ConfigError
-from recipe.disk import check_free_space
+from runfolder.shards import backend_counts
 
 
 class OutputMismatchError(ConfigError):
@@ -67,7 +68,7 @@ class DistillSummary:
 def run_distill(cfg: Config, accelerator) -> DistillSummary:
     cfg = dataclasses.replace(cfg, generation=resolve_generation(cfg.generation))
     out = cfg.run.output_path
-    data_dir = out / "data"
+    data_dir = RunFolder(out).data
     log = accelerator.print
     target = resolve_target(cfg.model)
     tokenizer = load_tokenizer(target)
@@ -299,7 +300,7 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
                     accelerator) -> dict:
     """Check every selected conversation is written exactly once, then mark the run complete."""
     if accelerator.is_main_process:
-        rows = read_columns(out / "data", ["id", "split", "generated_tokens", "loss_mask",
+        rows = read_columns(RunFolder(out).data, ["id", "split", "generated_tokens", "loss_mask",
                                            "input_ids", "num_turns", "retokenized_replies"])
         written = Counter(row["id"] for row in rows)
         expected = {j.conversation.id for j in jobs}
@@ -335,8 +336,8 @@ def _close_manifest(out: Path, identity: dict, jobs: list[Job], skipped: Counter
                       "held_out_ids": sorted(j.conversation.id for j in jobs
                                              if j.split == "held_out")},
             "counts": {**counts, "conversations_ended_early_over_max_prompt_tokens": cut_short},
-            "shards": [p.name for p in shard_files(out / "data")],
-            "generated_by": backend_counts(out / "data"),
+            "shards": [p.name for p in shard_files(RunFolder(out).data)],
+            "generated_by": backend_counts(RunFolder(out).data),
         }
         write_manifest(out, manifest)
     accelerator.wait_for_everyone()

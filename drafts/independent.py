@@ -146,6 +146,7 @@ class ModelDraft:
     """The engine's draft: the LM proposes k tokens one by one from its own KV cache."""
 
     uses_target_hidden = False
+    scores = None  # set by propose
 
     def __init__(self, model, name: str = "draft"):
         self.lm, self.name = CachedLM(model), name
@@ -228,11 +229,10 @@ class Independent:
     """Any causal LM with the target's vocabulary; the registry's last kind, so it takes every
     spec and folder no other kind claims."""
 
-    name, description, vllm_method = "independent", "an independent draft model", "draft_model"
-    vllm_options: dict = {}
+    name, description = "independent", "an independent draft model"
+    train_keys = ()
     formats = ("vllm",)
     hf_assistant = True
-    llamacpp_spec_type = "draft-simple"
 
     def claims(self, spec: str) -> bool:
         return True

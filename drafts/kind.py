@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from recipe import TrainConfig
+from recipe import ConfigError, TrainConfig
 
 
 @dataclass
@@ -61,18 +61,16 @@ class DraftKind(Protocol):
     """Short name (the export folder's)."""
     description: str
     """What it is, for reports and the model card ('Medusa heads')."""
-    vllm_method: str | None
-    """vLLM's speculative method for the exported folder; None: vLLM does not serve it."""
-    vllm_options: dict
-    """What vLLM's speculative config needs besides method, model and k (PARD:
-    parallel_drafting). vLLM 0.32 drafts the argmax by default (draft_sample_method 'greedy',
-    q one-hot), our engine samples the draft: at T > 0 the two accept differently, which
-    `serving.validate --temperature` shows (docs/export-and-validation.md, "Sampling")."""
+    formats: tuple[str, ...]
+    """The layouts write_export writes ('vllm': the HF or vLLM-native folder every engine
+    starts from; EAGLE-3 also 'speculators'); empty: nothing to export (prompt lookup). Which
+    engines serve a kind, and how, each serving engine says (serving/engines/)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
-    llamacpp_spec_type: str | None
-    """llama.cpp's --spec-type for its GGUF export (serving.export --format gguf); None:
-    llama.cpp does not serve it."""
+    train_keys: tuple[str, ...]
+    """The train keys only some kinds read that this kind reads (head_decay, block_size, ...):
+    any other such key set away from its default is refused (registry.check_train_config);
+    check_train checks the values of these."""
 
     def claims(self, spec: str) -> bool:
         """Whether a train.draft / eval.draft spec that is not a saved folder names this kind."""
@@ -81,7 +79,8 @@ class DraftKind(Protocol):
         """Whether a saved folder, by its config.json, holds this kind."""
 
     def check_train(self, cfg: TrainConfig) -> None:
-        """Refuse train settings this kind cannot honour (a ConfigError that names the fix)."""
+        """Refuse train settings this kind cannot honour, and values of its train_keys out of
+        range (a ConfigError that names the fix)."""
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples: list, log) -> nn.Module:
         """The initial trainable fp32 draft on the target's device (the loop seeds the RNG).
@@ -188,3 +187,31 @@ def chain_slots(pred_mask: torch.Tensor, positions: int, decay: float) -> list[S
         slots.append(Slot(len(rows), rows, starts, j, decay ** (j - 1)))
     return slots
 
+
+
+def check_head_decay(cfg: TrainConfig) -> None:
+    """train.head_decay, for the kinds whose draft positions have losses of their own."""
+    if not 0.0 < cfg.head_decay <= 1.0:
+        raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+
+
+def check_blocks(cfg: TrainConfig, learner: str) -> None:
+    """train.block_size, block_starts, mask_token_id and head_decay, for the kinds that fill
+    mask blocks (learner: what learns the block's positions, for the message)."""
+    if cfg.block_size < 1 or cfg.block_starts < 0:
+        raise ConfigError(f"train.block_size={cfg.block_size} must be >= 1 and "
+                          f"train.block_starts={cfg.block_starts} >= 0 (0: every start).")
+    if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
+        raise ConfigError(f"train.mask_token_id={cfg.mask_token_id} must be a token id (>= 0) "
+                          "or null.")
+    check_head_decay(cfg)
+    if cfg.eval_k > cfg.block_size:
+        raise ConfigError(f"train.eval_k={cfg.eval_k} exceeds train.block_size={cfg.block_size}, "
+                          f"the draft positions {learner} learns: lower eval_k or raise "
+                          "block_size.")
+
+
+def check_feature_noise(cfg: TrainConfig) -> None:
+    """train.feature_noise, for the kinds that read the target's aux features."""
+    if cfg.feature_noise < 0:
+        raise ConfigError(f"train.feature_noise={cfg.feature_noise} must be >= 0 (0: off).")

@@ -20,7 +20,14 @@ from torch import nn
 
 from decoding.speculative import sampling_probs
 from drafts.folders import load_folder, save_folder
-from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, chain_slots
+from drafts.kind import (
+    LoadedDraft,
+    SameVocabulary,
+    Slot,
+    TargetHidden,
+    chain_slots,
+    check_head_decay,
+)
 from recipe import ConfigError, TrainConfig
 
 
@@ -141,6 +148,7 @@ class MedusaDraft:
     """The engine's draft: the heads on the target's last hidden state propose a chain of k."""
 
     uses_target_hidden = True
+    scores, failures, propose_tree = None, None, None  # scores: set by propose
 
     def __init__(self, heads: MedusaHeads, name: str = "medusa"):
         self.heads, self.name = heads, name
@@ -194,10 +202,9 @@ class MedusaForTraining(SameVocabulary, nn.Module):
 class Medusa:
     """train.draft='medusa:<heads>[x<layers>]'; a folder with model_type 'medusa'."""
 
-    name, description, vllm_method, formats = "medusa", "Medusa heads", "medusa", ("vllm",)
-    vllm_options: dict = {}
+    name, description, formats = "medusa", "Medusa heads", ("vllm",)
+    train_keys = ("head_decay",)
     hf_assistant = False
-    llamacpp_spec_type = None
 
     def claims(self, spec: str) -> bool:
         return spec.partition(":")[0] == "medusa"
@@ -216,8 +223,7 @@ class Medusa:
 
     def check_train(self, cfg: TrainConfig) -> None:
         heads, _ = self.shape(cfg.draft)
-        if not 0.0 < cfg.head_decay <= 1.0:
-            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+        check_head_decay(cfg)
         if cfg.on_policy_fraction > 0:
             raise ConfigError("Medusa heads cannot sample on their own (they need the "
                               "target's hidden states): set train.on_policy_fraction=0.")

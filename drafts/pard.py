@@ -23,7 +23,14 @@ from decoding.kv import CachedLM
 from decoding.speculative import sampling_probs
 from drafts.folders import read_config
 from drafts.independent import Independent, parse_spec, pretrained_draft
-from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, chain_slots
+from drafts.kind import (
+    LoadedDraft,
+    SameVocabulary,
+    Slot,
+    TargetHidden,
+    chain_slots,
+    check_blocks,
+)
 from drafts.parallel import block_plan, check_mask_token, pard_layout, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
@@ -70,7 +77,7 @@ class ParallelModelDraft:
     (k-1)] proposes k tokens; the masks are dropped from its KV cache right after."""
 
     uses_target_hidden = False
-    failures = None
+    scores, failures, propose_tree = None, None, None  # scores: set by propose
 
     def __init__(self, model, mask_id: int, name: str = "pard"):
         self.model, self.mask_id, self.name = model, mask_id, name
@@ -106,11 +113,10 @@ class ParallelModelDraft:
 class Pard:
     """An independent draft LM trained to fill k-1 mask tokens after its context."""
 
-    name, description, vllm_method = "pard", "a PARD parallel draft model", "draft_model"
-    vllm_options = {"parallel_drafting": True}
+    name, description = "pard", "a PARD parallel draft model"
+    train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id")
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
-    llamacpp_spec_type = None  # llama.cpp would draft with it token by token, not in parallel
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)
@@ -127,12 +133,7 @@ class Pard:
             raise ConfigError("train.draft='pard:' names no draft: write 'pard:layer-truncated:6' "
                               "or 'pard:<a trained independent draft folder>'.")
         parse_spec(inner)
-        if not 0.0 < cfg.head_decay <= 1.0:
-            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
-        if cfg.eval_k > cfg.block_size:
-            raise ConfigError(f"train.eval_k={cfg.eval_k} exceeds train.block_size="
-                              f"{cfg.block_size}, the draft positions PARD learns: lower eval_k "
-                              "or raise block_size.")
+        check_blocks(cfg, "PARD")
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)

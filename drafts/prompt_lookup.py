@@ -25,6 +25,7 @@ class PromptLookupDraft:
     proposed token, which verification handles like any draft."""
 
     uses_target_hidden = False
+    scores, failures, propose_tree = None, None, None  # fixed candidates, nothing ranked
 
     def __init__(self, vocab_size: int, max_ngram: int = 4, min_ngram: int = 2,
                  name: str = "prompt lookup"):
@@ -53,10 +54,9 @@ class PromptLookupDraft:
 class PromptLookup:
     """eval.draft='prompt-lookup'."""
 
-    name, description, vllm_method, formats = "prompt-lookup", "prompt lookup", None, ()
-    vllm_options: dict = {}
+    name, description, formats = "prompt-lookup", "prompt lookup", ()
+    train_keys = ()
     hf_assistant = False
-    llamacpp_spec_type = None  # llama.cpp has its own: --spec-type ngram-*
 
     def claims(self, spec: str) -> bool:
         return spec == "prompt-lookup"

@@ -19,7 +19,7 @@ from drafts.kind import DraftKind, LoadedDraft
 from drafts.medusa import Medusa
 from drafts.pard import Pard
 from drafts.prompt_lookup import PromptLookup
-from recipe import TrainConfig
+from recipe import ConfigError, TrainConfig
 
 KINDS: list[DraftKind] = [
     Medusa(),
@@ -40,9 +40,17 @@ def kind_of(spec: str | Path) -> DraftKind:
 
 
 def check_train_config(cfg: TrainConfig) -> DraftKind:
-    """What train.draft's kind asks of the train section; -> the kind. Run before any stage, so
-    a contradiction fails in seconds, not after stage 1."""
+    """What train.draft's kind asks of the train section; -> the kind. A train key that only
+    other kinds read (their train_keys), set away from its default, is refused by name. Run
+    before any stage, so a contradiction fails in seconds, not after stage 1."""
     kind = kind_of(cfg.draft)
+    defaults = TrainConfig()
+    for key in sorted({k for other in KINDS for k in other.train_keys} - set(kind.train_keys)):
+        if getattr(cfg, key) != getattr(defaults, key):
+            readers = [other.name for other in KINDS if key in other.train_keys]
+            raise ConfigError(f"train.{key}={getattr(cfg, key)!r} is read by {readers} drafts "
+                              f"only: train.draft={cfg.draft!r} is {kind.description}, which "
+                              f"does not read it; drop it.")
     kind.check_train(cfg)
     return kind
 

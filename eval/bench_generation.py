@@ -17,7 +17,7 @@ import torch
 from assets.chat import render
 from assets.prompts import load_sharegpt
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
-from distill.generate import generate_replies
+from decoding.hf import generate_replies
 from recipe import load_config
 
 

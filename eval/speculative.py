@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from assets.chat import render
-from assets.prompts import Conversation, load_file, load_mtbench
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
-from decoding.engine import RequestStats, generate, left_pad
-from distill import load_distilled
+from decoding.acceptance import measured_acceptance
+from decoding.engine import RequestStats, decode_prompts
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig
 from recipe.config import EVAL_METHODS
+from runfolder import load_eval_prompts, run_folder, run_name_of, speed_text
 
 
 @dataclass
@@ -95,65 +95,6 @@ def speedup_stats(method_tps: list[float], baseline_tps: list[float]) -> Speed:
     return Speed(quantile(ratios, 0.5), q25, q75, len(ratios), verdict)
 
 
-def speed_text(speed: dict | None, baseline: bool = False) -> str:
-    """A method's speedup as every report prints it: '0.69x (0.36-2.93, uncertain)' (median over
-    rounds, quartiles, verdict); '1.00x' for plain decoding itself, '-' when not measured."""
-    if not speed:
-        return "-"
-    if baseline:
-        return "1.00x"
-    return f"{speed['median']:.2f}x ({speed['q25']:.2f}-{speed['q75']:.2f}, {speed['verdict']})"
-
-
-def acceptance(stats: list[RequestStats]) -> tuple[float, list[float], float]:
-    """Pool requests: tau = 1 + accepted / steps, alpha_k = accepted_k / drafted_k, rate."""
-    steps = sum(s.steps for s in stats)
-    accepted = sum(s.accepted for s in stats)
-    drafted = sum(s.drafted for s in stats)
-    width = max(len(s.drafted_per_position) for s in stats)
-    alpha = []
-    for position in range(width):
-        d = sum(s.drafted_per_position[position] for s in stats)
-        if d:
-            alpha.append(sum(s.accepted_per_position[position] for s in stats) / d)
-    return 1 + accepted / max(steps, 1), alpha, accepted / max(drafted, 1)
-
-
-def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list[list[int]], int]:
-    """The eval prompts in the chat template, and how many were skipped as too long for the
-    target's context together with eval.max_new_tokens."""
-    ev = cfg.eval
-    if ev.prompts == "mtbench":
-        conversations, _ = load_mtbench()
-    elif ev.prompts == "held_out":
-        rows = load_distilled(cfg.run.output_path).get("held_out")
-        if rows is None or len(rows) == 0:
-            raise ConfigError("eval.prompts=held_out but the stage-1 output has no held-out "
-                              "conversations: run the distill stage (data.held_out_fraction > 0).")
-        conversations = []
-        for row in rows:
-            messages = json.loads(row["messages"])
-            first_user = next(m["content"] for m in messages if m["role"] == "user")
-            conversations.append(Conversation(row["id"], "held_out", [first_user]))
-    else:
-        conversations, _ = load_file(Path(ev.prompts).expanduser())
-    if not conversations:
-        raise ConfigError(f"eval.prompts={ev.prompts!r} holds no prompt.")
-    conversations = conversations[: ev.num_prompts]
-    prompts, skipped = [], 0
-    for conv in conversations:
-        ids = render(tokenizer, conv.first_turn(), add_generation_prompt=True)
-        # the last step verifies up to k (or k_max) draft positions past the last token
-        if context is not None and len(ids) + ev.max_new_tokens + ev.k_max_used > context:
-            skipped += 1
-        else:
-            prompts.append(ids)
-    if not prompts:
-        raise ConfigError(f"all {len(conversations)} eval prompts exceed the target's context "
-                          f"({context}) with eval.max_new_tokens={ev.max_new_tokens}: lower it.")
-    return prompts, skipped
-
-
 def check_k_fits(draft: LoadedDraft, ev: EvalConfig) -> None:
     """Refuse, up front, a k or a static tree the draft cannot fill (Medusa: one token per
     head)."""
@@ -173,14 +114,7 @@ def check_k_fits(draft: LoadedDraft, ev: EvalConfig) -> None:
 def draft_label(spec: str) -> str:
     """A short name for a draft: the run name of <run>/train/draft, else the last path part."""
     parts = Path(spec).parts
-    if len(parts) >= 3 and parts[-2:] == ("train", "draft"):
-        return parts[-3]
-    return parts[-1] if parts else spec
-
-
-def _batches(prompts, size):
-    for b in range(0, len(prompts), size):
-        yield prompts[b : b + size]
+    return run_name_of(spec) or (parts[-1] if parts else spec)
 
 
 @dataclass
@@ -205,17 +139,9 @@ def engine_runner(target, settings: DecodeSettings, eos, pad_id, tokenizer, draf
     generator = torch.Generator(device).manual_seed(seed)
 
     def run(prompts: list[list[int]]) -> Run:
-        result = Run([])
-        for batch in _batches(prompts, settings.batch_size):
-            ids, mask = left_pad(batch, pad_id, device)
-            gen = generate(target, ids, mask, settings, eos, draft, generator,
-                           decode=tokenizer.decode)
-            result.outputs += gen.tokens
-            result.stats += gen.stats
-            result.draft_seconds += gen.draft_seconds
-            result.verify_seconds += gen.verify_seconds
-            result.k_used += gen.k_used
-        return result
+        gen = decode_prompts(target, prompts, settings, eos, pad_id, draft, generator,
+                             tokenizer.decode)
+        return Run(gen.tokens, gen.stats, gen.draft_seconds, gen.verify_seconds, gen.k_used)
     return run
 
 
@@ -294,7 +220,7 @@ def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
     if drafted:
         stats = [s for run in m.runs for s in run.stats]
         k_used = [k for run in m.runs for k in run.k_used]
-        result.tau, result.alpha, result.acceptance_rate = acceptance(stats)
+        result.tau, result.alpha, result.acceptance_rate = measured_acceptance(stats)
         result.draft_seconds = sum(run.draft_seconds for run in m.runs)
         result.verify_seconds = sum(run.verify_seconds for run in m.runs)
         result.draft_ms_per_step = 1000 * result.draft_seconds / max(len(k_used), 1)
@@ -327,7 +253,7 @@ def _load(cfg: Config, device: torch.device):
     target = load_target(resolved, cfg.model.dtype, device)
     spec = cfg.eval.draft
     if spec == "trained":
-        spec = str(cfg.run.output_path / "train" / "draft")
+        spec = str(run_folder(cfg).draft)
         if not (Path(spec) / "config.json").is_file():
             raise ConfigError(f"eval.draft=trained, but {spec} holds no trained draft: run the "
                               "train stage first (distill.py --stage train).")
@@ -395,7 +321,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
     measure({name: runner for name, (runner, _) in warm.items()}, [prompts[:1]],
             log=lambda *a, **k: None)
     made = runners(ev.decoding)
-    rounds = list(_batches(prompts, ev.batch_size))
+    rounds = [prompts[b : b + ev.batch_size] for b in range(0, len(prompts), ev.batch_size)]
     print(f"[eval] {', '.join(made)} on {len(prompts)} prompts, interleaved over {len(rounds)} "
           f"rounds of {ev.batch_size} ...", flush=True)
     measured = measure({name: runner for name, (runner, _) in made.items()}, rounds)
@@ -421,7 +347,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
               "methods": {m: {**asdict(r), "tokens_per_s": r.tokens_per_s,
                               "speedup": r.speed.median if r.speed else None}
                           for m, r in results.items()}}
-    out_dir = cfg.run.output_path / "eval"
+    out_dir = run_folder(cfg).eval_results.parent
     write_report(report, out_dir)
     cfg.save(out_dir / "config.yaml")
     print(markdown_table(report))

@@ -24,24 +24,24 @@ from pathlib import Path
 
 import yaml
 
-from distill.shards import read_columns
-from train.data import first_conversations
+from runfolder import RunFolder, first_conversations, read_columns
 
 
 def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
     """One curve point from a trained run folder."""
-    config = yaml.safe_load((run / "train" / "draft" / "config.yaml").read_text())
-    rows = [r for r in read_columns(run / "data", ["id", "split", "generated_tokens"])
+    folder = RunFolder(run)
+    config = yaml.safe_load((folder.draft / "config.yaml").read_text())
+    rows = [r for r in read_columns(folder.data, ["id", "split", "generated_tokens"])
             if r["split"] == "train"]
     rows = first_conversations(rows, config["train"]["max_conversations"], key=lambda r: r["id"])
-    trained = json.loads((run / "train" / "draft" / "draftsmith_train.json").read_text())
-    features = run / "features" / "manifest.json"
+    trained = json.loads((folder.draft / "draftsmith_train.json").read_text())
+    features = folder.features / "manifest.json"
     generated = sum(r["generated_tokens"] for r in rows)
     measured = {}
     for results in evals:
         # the eval's own draft: "<path> (<kind>, ...)"
         own = results["draft"] is not None and Path(results["draft"].split(" (")[0]).resolve() \
-            == (run / "train" / "draft").resolve()
+            == folder.draft.resolve()
         for name, m in results["methods"].items():
             base, _, mode = name.partition("+")
             if base == f"speculative:{run.name}" or (own and base == "speculative"):
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     runs = [Path(r).expanduser() for r in args.runs.split(",") if r]
-    missing = [str(r) for r in runs if not (r / "train" / "draft" / "draftsmith_train.json").is_file()]
+    missing = [str(r) for r in runs 
+               if not (RunFolder(r).draft / "draftsmith_train.json").is_file()]
     if missing:
         parser.error(f"not a finished train stage: {', '.join(missing)} (train them first)")
     evals = [json.loads(Path(e).expanduser().read_text()) for e in args.eval.split(",") if e]

@@ -127,7 +127,7 @@ class GenerationConfig:
     """Nucleus sampling mass (sampling only)."""
     batch_size: int | None = None
     """Conversations generated together (left-padded in transformers, continuously batched in
-    vLLM). None: 64 with vLLM, 16 with transformers (`python -m eval.bench_distill_backends`
+    vLLM). None: 64 with vLLM, 16 with transformers (`python -m benchmarks.bench_distill_backends`
     measures the choice on your hardware; docs/distillation.md has measured figures)."""
     top_k_logprobs: int = 0
     """Store the target's top-k log-probabilities at every assistant position (0: none)."""
@@ -542,28 +542,13 @@ class TrainConfig:
             raise ConfigError("train.max_grad_norm and train.on_policy_temperature must be > 0.")
         if self.lora_rank < 0:
             raise ConfigError(f"train.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA).")
-        if self.block_size < 1 or self.block_starts < 0:
-            raise ConfigError(f"train.block_size={self.block_size} must be >= 1 and "
-                              f"train.block_starts={self.block_starts} >= 0 (0: every start).")
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be a token id "
-                              "(>= 0) or null.")
-        if self.feature_noise < 0:
-            raise ConfigError(f"train.feature_noise={self.feature_noise} must be >= 0 (0: off).")
-        if self.feature_noise and not self.draft.startswith(("eagle3", "dflash")):
-            raise ConfigError(f"train.feature_noise perturbs the target's aux features, which "
-                              f"train.draft={self.draft!r} does not read: use it with 'eagle3' "
-                              "or 'dflash', or set it to 0.")
-        if self.head_init != "random" and self.draft != "eagle3":
-            raise ConfigError(f"train.head_init={self.head_init!r} initialises an EAGLE-3 head: "
-                              f"train.draft={self.draft!r} is not one; drop it.")
         if self.max_conversations is not None and self.max_conversations < self.micro_batch_size:
             raise ConfigError(f"train.max_conversations={self.max_conversations} must be >= "
                               f"train.micro_batch_size={self.micro_batch_size} (or null: all).")
         if self.eval_conversations is not None and self.eval_conversations < 1:
             raise ConfigError("train.eval_conversations must be >= 1 (or null for all).")
-        # what the draft kind itself asks of these settings is checked by its module
-        # (drafts.check_train_config), before any stage runs
+        # the keys one kind reads, and what a kind asks of the others, are checked by the
+        # kind's module (drafts.check_train_config), before any stage runs
     @property
     def loss_terms(self) -> list[tuple[float, str]]:
         return parse_loss(self.loss)

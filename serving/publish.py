@@ -22,7 +22,9 @@ from pathlib import Path
 
 from assets.target import resolve_target
 from recipe import Config, ConfigError
-from serving.export import export_folder, target_hub_id
+from serving.card import target_hub_id
+from serving.engines.base import single_export
+from serving.engines.vllm import CONFIG_NAME
 
 TOKEN_VARIABLE = "HF_TOKEN"
 
@@ -55,7 +57,7 @@ def publish(cfg: Config, repo_id: str, folder: Path | None = None, private: bool
             dry_run: bool = False) -> Upload:
     if "/" not in repo_id or repo_id.count("/") > 1:
         raise ConfigError(f"--repo-id {repo_id!r} must be '<user or org>/<name>'.")
-    folder = export_folder(cfg, folder)
+    folder = single_export(cfg, folder, CONFIG_NAME, "serving.export")
     token = os.environ.get(TOKEN_VARIABLE)
     if not dry_run and not token:
         raise ConfigError(f"no Hub token: set {TOKEN_VARIABLE} in the environment (a write token "

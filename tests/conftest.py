@@ -47,7 +47,8 @@ def temporary_cache(tmp_path_factory) -> Path:
     before = os.environ.get("DRAFTSMITH_CACHE")
     os.environ["DRAFTSMITH_CACHE"] = str(cache)
     # llama.cpp's build (~4 min on 2 cores) is a tool, not user data: built once per machine
-    # for the tests, in a folder of their own (serving/llamacpp.py; $DRAFTSMITH_LLAMACPP wins)
+    # for the tests, in a folder of their own (serving/engines/llamacpp_build.py;
+    # $DRAFTSMITH_LLAMACPP wins)
     if "DRAFTSMITH_LLAMACPP" not in os.environ:
         base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         os.environ["DRAFTSMITH_LLAMACPP"] = str(Path(base) / "draftsmith-tests" / "llamacpp")
@@ -128,6 +129,6 @@ def fresh_accelerate_state():
 def llamacpp():
     """llama.cpp's llama-server, built once per machine into $DRAFTSMITH_LLAMACPP (~10 minutes
     on 2 cores the first time): setup that the llama.cpp tests share, timed as such."""
-    from serving.llamacpp import ensure_llamacpp
+    from serving.engines.llamacpp_build import ensure_llamacpp
 
     return ensure_llamacpp()

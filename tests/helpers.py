@@ -122,7 +122,7 @@ def reference_tau(cfg, proposer_for: Callable) -> float:
     """tau of a greedy chain over a recipe's eval prompts, counted without the engine:
     proposer_for(target) gives greedy_chain_counts' propose()."""
     from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
-    from eval.speculative import load_eval_prompts
+    from runfolder import load_eval_prompts
 
     resolved = resolve_target(cfg.model)
     target = load_target(resolved, "float32", torch.device("cpu"))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from distill.generate import generate_replies
-from distill.shards import read_manifest, shard_files
+from decoding.hf import generate_replies
 from recipe import Config, ConfigError, GenerationConfig
+from runfolder import first_conversations, read_manifest, run_folder, shard_files
 
 
 @dataclass
@@ -68,9 +68,10 @@ class TrainData:
 
 def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
     """The stage-1 shards of this run, checked to come from this target and to be complete."""
-    out = cfg.run.output_path
+    run = run_folder(cfg)
+    out = run.root
     manifest = read_manifest(out)
-    if manifest is None or not shard_files(out / "data"):
+    if manifest is None or not shard_files(run.data):
         raise ConfigError(f"no stage-1 data in {out}: run the distill stage first "
                           f"(distill.py --config ... --stage distill), or set run.output_dir.")
     if manifest.get("status") != "complete":
@@ -85,7 +86,7 @@ def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
             "data (a new run.name) or set model.target back.")
     splits: dict[str, list[Example]] = {"train": [], "held_out": []}
     has_topk = True
-    for path in shard_files(out / "data"):
+    for path in shard_files(run.data):
         table = pq.read_table(path)
         has_topk &= "topk_ids" in table.column_names
         for row in table.to_pylist():
@@ -108,12 +109,6 @@ def load_stage1(cfg: Config, target_fingerprint: str) -> TrainData:
                           f"train.micro_batch_size={cfg.train.micro_batch_size}: generate more "
                           "data (data.max_prompts) or lower the micro-batch size.")
     return TrainData(splits["train"], splits["held_out"])
-
-
-def first_conversations(items: list, n: int | None, key) -> list:
-    """train.max_conversations: the first n by conversation id (all when n is None); the
-    training set and the tau-vs-data report both take their subset here."""
-    return sorted(items, key=key)[:n]
 
 
 def truncate(example: Example, max_len: int) -> Example:

@@ -20,6 +20,7 @@ import torch
 from drafts.kind import TargetHidden, aux_features
 from recipe import Config, ConfigError
 from recipe.disk import check_free_space
+from runfolder import run_folder
 from train.data import Batch, Example, collate
 
 SHARD_SIZE = 16
@@ -109,7 +110,7 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
     from safetensors.torch import save_file
 
     tcfg = cfg.train
-    folder = cfg.run.output_path / "features"
+    folder = run_folder(cfg).features
     identity = _identity(fingerprint, aux_layers, tcfg.feature_dtype, examples)
     manifest_path = folder / "manifest.json"
     if manifest_path.is_file():

@@ -30,10 +30,10 @@ from assets.target import (
     load_tokenizer,
     resolve_target,
 )
-from distill.shards import identity_differences
+from decoding.acceptance import acceptance_grid, chain_sums, match_probability, split, summarize
 from drafts import TargetHidden, check_train_config
 from recipe import Config, ConfigError, TrainConfig
-from train.acceptance import acceptance_grid, chain_sums, match_probability, split, summarize
+from runfolder import identity_differences, run_folder
 from train.data import (
     Batch,
     checkpoint_name,
@@ -189,7 +189,7 @@ def accelerator_kwargs(cfg: Config) -> dict:
     if cfg.tracking.tracker != "none":
         os.environ["WANDB_MODE"] = cfg.tracking.wandb_mode
         kwargs.update(log_with=cfg.tracking.tracker,
-                      project_dir=str(cfg.run.output_path / "train"))
+                      project_dir=str(run_folder(cfg).train))
     return kwargs
 
 
@@ -242,8 +242,8 @@ class _TiedHeadNote(logging.Filter):
         return "Removed shared tensor" not in record.getMessage()
 
 
-def _save_checkpoint(accelerator, dist: Dist, out: Path, state: TrainState, cfg: Config) -> Path:
-    folder = out / "checkpoints" / checkpoint_name(state.optimizer_step)
+def _save_checkpoint(accelerator, dist: Dist, state: TrainState, cfg: Config) -> Path:
+    folder = run_folder(cfg).checkpoints / checkpoint_name(state.optimizer_step)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -380,9 +380,10 @@ class TargetSignal:
 def train_draft(cfg: Config, accelerator) -> TrainSummary:
     """Train cfg.train.draft, of whatever kind, against the target on this run's stage-1 data;
     resumes from the last checkpoint and does not redo a finished draft."""
-    out, tcfg = cfg.run.output_path / "train", cfg.train
-    if (out / "draft" / "draftsmith_train.json").is_file():
-        return _already_trained(out / "draft", cfg, accelerator)
+    run, tcfg = run_folder(cfg), cfg.train
+    out = run.train
+    if (run.draft / "draftsmith_train.json").is_file():
+        return _already_trained(run.draft, cfg, accelerator)
     kind = check_train_config(tcfg)
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved)
@@ -401,7 +402,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     model, optimizer = accelerator.prepare(model, optimizer)
     dist, state = Dist.of(accelerator), TrainState()
     accelerator.register_for_checkpointing(state)
-    resumed_from = _resume(accelerator, out / "checkpoints", cfg, state)
+    resumed_from = _resume(accelerator, run.checkpoints, cfg, state)
     if dist.is_main:
         cfg.save(out / "config.yaml")
     _start_tracking(accelerator, dist, cfg, out)
@@ -434,18 +435,18 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         batches = _step_batches(cfg, data, state.optimizer_step, dist, accelerator, model,
                                 eos_ids, pad_id)
         loss_sum, step_tokens, grad_norm = _optimizer_step(
-            cfg, accelerator, dist, model, optimizer, batches, signal, state, out)
+            cfg, accelerator, dist, model, optimizer, batches, signal, state)
         log.write(state.advance(dist, batches, loss_sum, step_tokens, lr, grad_norm, started))
         done = state.optimizer_step == tcfg.max_steps
         if done or state.optimizer_step % tcfg.eval_every == 0:
             last_eval = held_out_eval()
         if done or state.optimizer_step % tcfg.save_every == 0:
-            _save_checkpoint(accelerator, dist, out, state, cfg)
+            _save_checkpoint(accelerator, dist, state, cfg)
     if last_eval is None:  # resumed at the very end
         last_eval = held_out_eval()
     before = before or next((e["held_out"] for e in log.history
                              if e["optimizer_step"] == 0 and "held_out" in e), None)
-    summary = TrainSummary(out / "draft", state.optimizer_step, before, last_eval, state.tokens,
+    summary = TrainSummary(run.draft, state.optimizer_step, before, last_eval, state.tokens,
                            state.loss_tokens, state.train_seconds, resumed_from, log.history)
     _save_draft(accelerator, dist, model, tokenizer, cfg, summary)
     for tracker in accelerator.trackers:  # not end_training(): it ends the process group
@@ -482,7 +483,7 @@ def _step_batches(cfg: Config, data, optimizer_step: int, dist: Dist, accelerato
 
 
 def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batches, signal,
-                    state: TrainState, out: Path) -> tuple[float, float, torch.Tensor | None]:
+                    state: TrainState) -> tuple[float, float, torch.Tensor | None]:
     """Forward and backward over the step's micro-batches, then one optimizer step ->
     (the summed loss, the step's loss tokens on every process, the gradient norm)."""
     tcfg, G, world = cfg.train, cfg.train.gradient_accumulation_steps, dist.world
@@ -505,7 +506,7 @@ def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batc
                     f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "
                     f"micro_step {micro_step} (process {dist.rank}, conversations "
                     f"{batch.ids}). Nothing after the last checkpoint "
-                    f"({latest_checkpoint(out / 'checkpoints') or 'none yet'}) was saved; "
+                    f"({latest_checkpoint(run_folder(cfg).checkpoints) or 'none yet'}) was saved; "
                     "lower train.learning_rate or raise train.warmup_steps, then resume.")
             accelerator.backward(loss * scale)
             loss_sum += float(loss.detach())

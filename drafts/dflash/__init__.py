@@ -13,7 +13,7 @@ from drafts.dflash.engine import DFlashDraft
 from drafts.dflash.head import DFlashForTraining, DFlashHead, check_fits_target, is_dflash_config
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
-from drafts.kind import LoadedDraft
+from drafts.kind import LoadedDraft, check_blocks, check_feature_noise
 from drafts.parallel import check_mask_token, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
@@ -42,11 +42,11 @@ def parse_layers(spec: str) -> int:
 class DFlash:
     """Decoder layers on the target's context that fill k mask tokens in one forward."""
 
-    name, description, vllm_method = "dflash", "a DFlash block drafter", "dflash"
-    vllm_options: dict = {}  # the method implies parallel drafting
+    name, description = "dflash", "a DFlash block drafter"
+    train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
+                  "block_starts", "mask_token_id")
     formats = ("vllm",)
     hf_assistant = False
-    llamacpp_spec_type = None  # llama.cpp 11434 has draft-dflash for Qwen lineages only
 
     def claims(self, spec: str) -> bool:
         return spec == "dflash" or spec.startswith("dflash:")
@@ -56,12 +56,8 @@ class DFlash:
 
     def check_train(self, cfg: TrainConfig) -> None:
         parse_layers(cfg.draft)
-        if not 0.0 < cfg.head_decay <= 1.0:
-            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
-        if cfg.eval_k > cfg.block_size:
-            raise ConfigError(f"train.eval_k={cfg.eval_k} exceeds train.block_size="
-                              f"{cfg.block_size}, the draft positions the drafter learns: lower "
-                              "eval_k or raise block_size.")
+        check_feature_noise(cfg)
+        check_blocks(cfg, "the drafter")
         if cfg.on_policy_fraction > 0 or cfg.lora_rank or cfg.target_logits != "online":
             raise ConfigError("a DFlash drafter needs the target's features on every batch and "
                               "is trained whole: set train.on_policy_fraction=0, "

@@ -18,6 +18,7 @@ class DFlashDraft:
     [pending, mask x k] at every step, as vLLM does."""
 
     uses_target_hidden = True
+    scores, failures, propose_tree = None, None, None  # scores: set by propose
 
     def __init__(self, head: DFlashHead, embedding: nn.Module, name: str = "dflash"):
         self.head, self.embed, self.name = head, embedding, name

@@ -24,7 +24,7 @@ from drafts.eagle3.head import (
 )
 from drafts.eagle3.training import Eagle3ForTraining, unroll
 from drafts.folders import WEIGHTS_NAME, save_folder
-from drafts.kind import LoadedDraft
+from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
@@ -35,11 +35,11 @@ __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head",
 class Eagle3:
     """One decoder layer on the target's aux features, over a reduced draft vocabulary."""
 
-    name, description, vllm_method = "eagle3", "an EAGLE-3 head", "eagle3"
-    vllm_options: dict = {}
+    name, description = "eagle3", "an EAGLE-3 head"
+    train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
+                  "feature_noise", "head_init")
     formats = ("vllm", "speculators")
     hf_assistant = False
-    llamacpp_spec_type = "draft-eagle3"
 
     def claims(self, spec: str) -> bool:
         return spec.startswith("eagle")
@@ -51,8 +51,8 @@ class Eagle3:
         if cfg.draft != "eagle3":
             raise ConfigError(f"train.draft={cfg.draft!r}: the EAGLE-3 head is 'eagle3' (one "
                               "decoder layer, as vLLM serves it).")
-        if not 0.0 < cfg.head_decay <= 1.0:
-            raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+        check_head_decay(cfg)
+        check_feature_noise(cfg)
         if cfg.ttt_steps < 1:
             raise ConfigError(f"train.ttt_steps={cfg.ttt_steps} must be >= 1.")
         if cfg.eval_k > cfg.ttt_steps:

@@ -90,6 +90,7 @@ class Eagle3Draft:
     last verification, keeping its own KV cache of the verified tokens."""
 
     uses_target_hidden = True
+    scores, failures = None, None  # scores: set by propose
 
     def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
         self.head, self.embed, self.name = head, embedding, name

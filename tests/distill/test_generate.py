@@ -5,8 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from distill import generate
-from distill.shards import ShardWriter, backend_counts
 from recipe import GenerationConfig
+from runfolder.shards import ShardWriter, backend_counts
 
 
 @pytest.mark.parametrize(("installed", "backend", "batch_size"), [(True, "vllm", 64),

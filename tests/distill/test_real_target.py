@@ -8,7 +8,7 @@ import torch
 from assets.chat import render, render_text
 from assets.prompts import load_sharegpt
 from assets.target import end_of_turn_ids, load_target, resolve_target
-from distill.generate import generate_replies
+from decoding.hf import generate_replies
 from recipe import GenerationConfig, ModelConfig
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from distill import load_distilled
-from distill.shards import read_columns, shard_files
+from runfolder.shards import read_columns, shard_files
 from tests.helpers import (
     ROOT,
     chat_records,

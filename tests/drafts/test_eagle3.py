@@ -1,6 +1,8 @@
 """EAGLE-3 heads on tiny random models: vocabulary maps, feature capture, the training-time test
 against the serving cache, training, save/load, and lossless decoding in the engine."""
 
+import re
+
 import pytest
 import torch
 
@@ -345,10 +347,26 @@ def test_feature_noise_is_bounded_seeded_per_micro_batch():
     assert torch.equal(a.aux, b.aux) and a.aux.abs().max() <= 0.1 and a.aux.abs().max() > 0.05
     assert not torch.equal(a.aux, noisy_features(hidden, 0.2, 0, 4).aux)
     assert torch.equal(a.last, hidden.last)  # the target's logits stay exact
-    with pytest.raises(ConfigError, match="does not read"):
-        from recipe import TrainConfig
 
-        TrainConfig(draft="medusa:3", feature_noise=0.2)
+
+
+def test_a_train_key_only_other_kinds_read_is_refused_by_the_kind():
+    from drafts import check_train_config
+    from recipe import TrainConfig
+
+    for draft, key, value, readers in [
+            ("medusa:3", "feature_noise", 0.2, "['eagle3', 'dflash']"),
+            ("dflash:2", "head_init", "target", "['eagle3']"),
+            ("layer-truncated:2", "block_size", 3, "['dflash', 'pard']"),
+            ("eagle3", "mask_token_id", 5, "['dflash', 'pard']")]:
+        with pytest.raises(ConfigError, match=rf"train.{key}=.* read by {re.escape(readers)}"):
+            check_train_config(TrainConfig(draft=draft, **{key: value}))
+    check_train_config(TrainConfig(draft="eagle3", feature_noise=0.2, head_init="target",
+                                   ttt_steps=4, eval_k=4))  # its own keys pass
+    with pytest.raises(ConfigError, match="feature_noise=-0.1 must be >= 0"):
+        check_train_config(TrainConfig(draft="dflash:2", feature_noise=-0.1))
+    with pytest.raises(ConfigError, match="block_size=0 must be >= 1"):
+        check_train_config(TrainConfig(draft="pard:layer-truncated:2", block_size=0))
 
 
 def test_a_dynamic_tree_whose_head_turns_nan_falls_back_and_counts_it(target):

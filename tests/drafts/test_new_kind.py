@@ -50,6 +50,7 @@ class UnigramForTraining(SameVocabulary, nn.Module):
 
 class UnigramDraft:
     uses_target_hidden = False
+    scores, failures, propose_tree = None, None, None
 
     def __init__(self, logits: torch.Tensor, name: str):
         self.logits, self.name = logits, name
@@ -68,9 +69,9 @@ class UnigramDraft:
 
 
 class UnigramKind:
-    name, description, vllm_method, formats = "unigram", "a unigram toy", None, ()
+    name, description, formats = "unigram", "a unigram toy", ()
+    train_keys = ()
     hf_assistant = False
-    llamacpp_spec_type = None
 
     def claims(self, spec):
         return spec == "unigram"
@@ -150,7 +151,7 @@ def test_a_toy_kind_trains_serves_and_is_measured_with_one_registry_line(
     assert spec["tau"] == pytest.approx(reference_tau(cfg, lambda target: lambda ids, k: [top] * k))
     assert report["draft"].endswith("(unigram)")
 
-    with pytest.raises(ConfigError, match="a unigram toy exports as"):
+    with pytest.raises(ConfigError, match="no speculative method for a unigram toy"):
         export_draft(cfg, 2)
     with pytest.raises(ConfigError, match="neither samples on policy"):
         registry.check_train_config(tiny_run("train.draft=unigram",

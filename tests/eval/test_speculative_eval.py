@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
+from decoding.acceptance import measured_acceptance as acceptance
 from decoding.engine import RequestStats
 from drafts.independent import layer_truncated
-from eval.speculative import acceptance, compare, evaluate
+from eval.speculative import compare, evaluate
 from recipe import ConfigError, load_config
 from tests.helpers import (
     chat_records,

@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
-from distill.shards import ShardWriter
 from eval.tau_vs_data import log_fit, main
+from runfolder.shards import ShardWriter
 
 
 def test_log_fit_recovers_gain_per_decade():

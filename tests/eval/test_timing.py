@@ -74,7 +74,7 @@ def test_quantiles_interpolate_like_numpy():
 def test_every_printed_speedup_carries_its_quartiles_and_verdict():
     from dataclasses import asdict
 
-    from eval.speculative import speed_text
+    from runfolder import speed_text
 
     speed = asdict(speedup_stats([0.5, 0.7, 3.0, 0.6], [1.0] * 4))
     assert speed_text(speed) == "0.65x (0.57-1.27, uncertain)"

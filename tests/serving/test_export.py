@@ -32,10 +32,10 @@ def test_medusa_export_writes_vllm_layout_and_the_method(tiny_target, tmp_path):
     speculative = json.loads((result.folder / "vllm_speculative_config.json").read_text())
     assert speculative == {"method": "medusa", "model": str(result.folder.resolve()),
                            "num_speculative_tokens": 2}
-    assert '"method": "medusa"' in result.vllm_command and str(tiny_target) in result.vllm_command
+    assert '"method": "medusa"' in result.command and str(tiny_target) in result.command
     assert (result.folder / "config.yaml").is_file()
     card = (result.folder / "README.md").read_text()
-    assert result.vllm_command in card and "Not measured yet" in card
+    assert result.command in card and "Not measured yet" in card
     assert not (result.folder / "eval_results.json").exists()
     reloaded = MedusaHeads.from_pretrained(result.folder)
     original = MedusaHeads.from_pretrained(draft)
@@ -196,7 +196,7 @@ def test_a_head_whose_d2t_mismatches_t2d_is_neither_exported_nor_validated(tiny_
         weights["d2t"][5] += 1  # one draft token now means another word
         save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not map onto"):
-        validate(cfg, exported.folder)  # refused before vLLM starts
+        validate(cfg, "vllm", exported.folder)  # refused before vLLM starts
     with pytest.raises(ConfigError, match="does not map onto"):
         export_draft(cfg, k=2, out=tmp_path / "again")
     assert not (tmp_path / "again").exists()

@@ -8,7 +8,8 @@ import stat
 import pytest
 
 from recipe import ConfigError
-from serving import llamacpp
+from serving.engines import llamacpp_build as llamacpp
+from serving.engines.llamacpp import spec_counters
 
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
@@ -24,11 +25,11 @@ llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 10
 
 
 def test_llama_servers_counters_are_read_as_drafts_accepted_and_per_position():
-    counters = llamacpp.spec_counters(METRICS)
+    counters = spec_counters(METRICS)
     assert counters == {"drafts": 40, "draft_tokens": 120, "accepted": 50,
                         "accepted_per_position": [25, 15, 10]}
     assert sum(counters["accepted_per_position"]) == counters["accepted"]  # as tau needs
-    assert llamacpp.spec_counters("llamacpp:prompt_tokens_total 3\n")["drafts"] == 0
+    assert spec_counters("llamacpp:prompt_tokens_total 3\n")["drafts"] == 0
 
 
 @pytest.fixture

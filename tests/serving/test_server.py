@@ -269,7 +269,11 @@ def test_the_vllm_engine_command_serves_the_export_and_vllm_parses_it(tiny_targe
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from serving.server import vllm_command
+    from serving.engines.vllm import VLLM
+    from serving.server import model_id
+
+    def vllm_command(cfg, host, port, api_key):
+        return VLLM().server_argv(cfg, model_id(cfg), host, port, api_key)
 
     cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="serving.export"):

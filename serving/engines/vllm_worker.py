@@ -1,13 +1,14 @@
 """Run real vLLM on token-id prompts, in its own process, and report texts and spec-decode counters.
 
-    python -m serving.vllm_run REQUEST.json RESULT.json
+    python -m serving.engines.vllm_worker REQUEST.json RESULT.json
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
 optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i) and
 "fix_cpu_expand" (below)}.
 Each run starts one vLLM engine (all prompts batched), then frees it. vLLM starts its workers
-with spawn, so this module runs as __main__ (serving/validate.py calls it as a subprocess).
+with spawn, so this module runs as __main__ (serving/engines/vllm.py calls it as a
+subprocess).
 RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "accepted",
 "accepted_per_position", "cpu_expand_broken", "cpu_expand_fixed"}}.
 

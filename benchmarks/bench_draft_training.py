@@ -1,6 +1,6 @@
 """Benchmark: predicted acceptance of the draft before and after distillation, per loss.
 
-    python -m eval.bench_draft_training --config configs/smollm2-135m-independent.yaml \
+    python -m benchmarks.bench_draft_training --config configs/smollm2-135m-independent.yaml \
         --losses ce,tvd,fkl [section.key=value ...]
 
 Each loss trains the same initial draft (train.draft) with the same budget (train.max_steps

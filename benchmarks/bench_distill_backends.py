@@ -1,6 +1,6 @@
 """Benchmark: stage-1 throughput by backend and dtype, and the feature dump's, in one run.
 
-    .venv/bin/python -m eval.bench_distill_backends --config configs/smollm2-135m-eagle3.yaml \
+    .venv/bin/python -m benchmarks.bench_distill_backends --config configs/smollm2-135m-eagle3.yaml \
         [--prompts 32] [--runs hf:float32,vllm:float32,vllm:bfloat16] [--vllm-batch 64] \
         [section.key=value ...]
 
@@ -25,9 +25,9 @@ def main() -> None:
     import pyarrow.parquet as pq
     import torch
     from accelerate import Accelerator
+    from distill.shards import shard_files
 
     from distill import run_distill
-    from distill.shards import shard_files
     from recipe import cache_root, load_config
 
     parser = argparse.ArgumentParser(description=__doc__,

@@ -1,0 +1,182 @@
+"""Acceptance of a draft: predicted from the target's and the draft's distributions (training's
+held-out figures), and measured from an engine's counters with their 95 % intervals (eval,
+serving.validate).
+
+Predicted.
+On data the target wrote, the draft proposing at position t is accepted with probability
+a_t = sum_v min(p_t(v), q_t(v)) = 1 - TVD(p_t, q_t) when both sample (temperature 1), or
+a_t = [argmax q_t == argmax p_t] under greedy decoding. A chain of k draft tokens starting at t is
+accepted up to position j with probability prod_{i<j} a_{t+i} (the draft continues along the
+target's own text, which is what an accepted prefix is). Hence, over all start positions t:
+
+    alpha_j = E[prod_{i<j} a_{t+i}]           (draft position j accepted, so all before it were)
+    tau     = 1 + sum_{j=1..k} E[prod_{i<j} a_{t+i}]                (tokens per target forward)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PredictedAcceptance:
+    tau: float
+    """Expected tokens per target forward for k draft tokens, the bonus token included."""
+    alpha: list[float]
+    """alpha_1..alpha_k: the share of steps whose draft token j is accepted (and so all before
+    it): vLLM's per-position acceptance (accepted_per_pos[j] / drafts) and our engine's."""
+    windows: int
+    """Start positions averaged over."""
+
+    def to_dict(self) -> dict:
+        return {"tau": self.tau, "alpha": self.alpha, "windows": self.windows}
+
+
+def match_probability(target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                      greedy: bool = False) -> torch.Tensor:
+    """Per-position acceptance a = sum_v min(p, q), or [argmax q == argmax p] when greedy.
+    [N, V] x2 -> [N]."""
+    if greedy:
+        return (target_logits.argmax(-1) == draft_logits.argmax(-1)).float()
+    p = torch.softmax(target_logits.float(), -1)
+    q = torch.softmax(draft_logits.float(), -1)
+    return torch.minimum(p, q).sum(-1)
+
+
+def chain_sums(grid: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sums over chain starts of prod_{i<=j} a_i, j = 1..k, for chains whose k positions are all
+    valid. grid [B, T, k] (grid[b, s, j-1]: acceptance of draft position j of the chain starting
+    at s), valid [B, T, k] bool -> (sums [k], number of chains). Head drafts (Medusa) fill the grid
+    directly; an autoregressive draft's per-position values go through chained_acceptance."""
+    ok = valid.all(-1)  # [B, T]
+    chains = grid.double().cumprod(-1)[ok]  # [W, k]
+    return chains.sum(0), int(ok.sum())
+
+
+def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """Sums over start positions of prod_{i<j} a_{t+i}, j = 1..k, for windows of k valid positions.
+
+    a [B, T] per-position acceptance, valid [B, T] bool (positions the target wrote) ->
+    (sums [k], number of windows).
+    """
+    if a.shape[1] < k:
+        return torch.zeros(k, dtype=torch.float64), 0
+    return chain_sums(a.double().unfold(1, k, 1), valid.unfold(1, k, 1))  # [B, T-k+1, k] each
+
+
+def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:
+    """(sums [k], windows) pooled over batches -> tau and alpha_1..alpha_k."""
+    if windows == 0:
+        raise ValueError("no window of k consecutive target-written tokens to evaluate on")
+    expected = sums / windows  # [k] E[prod_{i<j} a]
+    return PredictedAcceptance(tau=1.0 + float(expected.sum()),
+                               alpha=[round(float(x), 6) for x in expected], windows=windows)
+
+
+def split(draft_logits: torch.Tensor, slots: list) -> list[torch.Tensor]:
+    """[M, V] -> one [count, V] per slot (drafts.kind.Slot)."""
+    return list(draft_logits.split([s.count for s in slots]))
+
+
+def acceptance_grid(values: list[torch.Tensor], slots: list, pred_mask: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row acceptance probabilities (one [count] per slot) -> a [B, T, k] grid and its valid
+    mask: grid[b, s, j-1] = acceptance of draft position j in a chain that starts after position
+    s, scored against the target at s + j. An autoregressive draft's value at loss position t
+    serves every j (as position j of the chain starting at t - j)."""
+    batch, length = pred_mask.shape
+    grid = torch.zeros(batch, length, k, dtype=torch.float64, device=pred_mask.device)
+    valid = torch.zeros(batch, length, k, dtype=torch.bool, device=pred_mask.device)
+    for a, slot in zip(values, slots):
+        if slot.position is None:
+            per_position = torch.zeros(batch, length, dtype=torch.float64, device=a.device)
+            per_position[pred_mask] = a.double()
+            for j in range(1, min(k, length - 1) + 1):
+                grid[:, : length - j, j - 1] = per_position[:, j:]
+                valid[:, : length - j, j - 1] = pred_mask[:, j:]
+        elif slot.position <= k:
+            grid[slot.starts[:, 0], slot.starts[:, 1], slot.position - 1] = a.double()
+            valid[slot.starts[:, 0], slot.starts[:, 1], slot.position - 1] = True
+    return grid, valid
+
+
+# Measured: an engine's counters over requests ---------------------------------------------
+
+
+def measured_acceptance(stats: list) -> tuple[float, list[float], float]:
+    """Pool requests (decoding.engine.RequestStats): tau = 1 + accepted / steps, alpha_k =
+    accepted_k / drafted_k, and the share of drafted tokens accepted."""
+    steps = sum(s.steps for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    width = max(len(s.drafted_per_position) for s in stats)
+    alpha = []
+    for position in range(width):
+        d = sum(s.drafted_per_position[position] for s in stats)
+        if d:
+            alpha.append(sum(s.accepted_per_position[position] for s in stats) / d)
+    return 1 + accepted / max(steps, 1), alpha, accepted / max(drafted, 1)
+
+
+def rates(steps: int, accepted: list[int], drafted: list[int]) -> tuple[float, list[float]]:
+    """Summed counters (drafting steps, accepted per position, steps that drafted each position)
+    -> (tau, alpha_1..k conditional on the position being drafted)."""
+    return (1 + sum(accepted) / max(steps, 1),
+            [c / max(d, 1) for c, d in zip(accepted, drafted)])
+
+
+def summed_counts(stats: list) -> tuple[int, list[int]]:
+    """Our engine's counters in an engine's terms: (drafting steps, accepted per position)."""
+    width = max(len(s.accepted_per_position) for s in stats)
+    return (sum(s.steps for s in stats),
+            [sum(s.accepted_per_position[j] for s in stats if j < len(s.accepted_per_position))
+             for j in range(width)])
+
+
+def tau_interval(drafts: int, accepted_per_position: list[int], design_effect: float = 1.0,
+                 z: float = 1.96) -> tuple[float, float]:
+    """95 % interval of tau = 1 + E[X] from an engine's counters, X the tokens accepted in one
+    drafting step: P(X >= j) = accepted_per_position[j-1] / drafts, so E[X] = sum_j c_j / N and
+    E[X^2] = sum_j (2j - 1) c_j / N. Steps of one request are correlated: the variance is scaled
+    by design_effect (>= 1, measured on our engine's requests, see design_effect)."""
+    n = max(drafts, 1)
+    mean = sum(accepted_per_position) / n
+    second = sum((2 * j + 1) * c for j, c in enumerate(accepted_per_position)) / n
+    half = z * (max(second - mean * mean, 0.0) * design_effect / n) ** 0.5
+    return 1 + mean - half, 1 + mean + half
+
+
+def alpha_intervals(drafts: int | list[int], accepted_per_position: list[int],
+                    design_effect: float = 1.0, z: float = 1.96) -> list[tuple[float, float]]:
+    """95 % Wilson score interval of each alpha_j = c_j / N_j (a proportion of the drafting steps
+    that drafted position j: N_j = drafts, or drafts[j] where an engine drafted fewer at the end).
+    Wilson, not Wald: alpha_j for j >= 2 is often a few counts in hundreds, where Wald's
+    a +- z sqrt(a(1 - a)/n) covers far less than 95 % and collapses to [0, 0] at c_j = 0. The
+    design effect shrinks n to the effective number of independent steps."""
+    counts = drafts if isinstance(drafts, list) else [drafts] * len(accepted_per_position)
+    out = []
+    for c, steps in zip(accepted_per_position, counts):
+        n = max(steps, 1) / max(design_effect, 1.0)  # effective steps
+        a = c / max(steps, 1)
+        shrink = 1 + z * z / n
+        center = (a + z * z / (2 * n)) / shrink
+        half = z / shrink * (a * (1 - a) / n + z * z / (4 * n * n)) ** 0.5
+        out.append((max(center - half, 0.0), min(center + half, 1.0)))
+    return out
+
+
+def design_effect(stats: list) -> float:
+    """How much the per-request clustering of drafting steps inflates the variance of the
+    pooled accepted-per-step mean: the cluster-robust (per-request) variance of the ratio
+    sum(accepted) / sum(steps) over the variance that independent steps would give; >= 1."""
+    rows = [(s.accepted, s.steps) for s in stats if s.steps]
+    steps = sum(n for _, n in rows)
+    if len(rows) < 2 or steps == 0:
+        return 1.0
+    mean = sum(a for a, _ in rows) / steps
+    cluster = len(rows) / (len(rows) - 1) * sum((a - mean * n) ** 2 for a, n in rows) / steps ** 2
+    low, high = tau_interval(*summed_counts(stats), 1.0, 1.0)
+    independent = ((high - low) / 2) ** 2
+    return max(1.0, cluster / independent) if independent > 0 else 1.0

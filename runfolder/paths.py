@@ -1,0 +1,70 @@
+"""Where each stage reads and writes inside a run folder (run.output_dir/run.name): the one
+place that spells the layout.
+
+    <run>/manifest.json, config.yaml, data/*.parquet    stage 1 (distill)
+    <run>/features/                                     the target's features cache (train)
+    <run>/train/draft/, train/checkpoints/, log.jsonl   stage 2 (train)
+    <run>/eval/results.json                             stage 3 (eval)
+    <run>/export/<name>/                                serving.export
+    <run>/validate/results*.json                        serving.validate
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        """Stage 1's Parquet shards (runfolder.shards)."""
+        return self.root / "data"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def features(self) -> Path:
+        return self.root / "features"
+
+    @property
+    def train(self) -> Path:
+        """The train stage's folder: log.jsonl, checkpoints/, draft/."""
+        return self.root / "train"
+
+    @property
+    def draft(self) -> Path:
+        """The trained draft, the folder every later stage reads."""
+        return self.root / "train" / "draft"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "train" / "checkpoints"
+
+    @property
+    def eval_results(self) -> Path:
+        return self.root / "eval" / "results.json"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def validate(self) -> Path:
+        return self.root / "validate"
+
+
+def run_folder(cfg) -> RunFolder:
+    """The run folder of a resolved recipe.Config."""
+    return RunFolder(Path(cfg.run.output_path))
+
+
+def run_name_of(draft_folder: str | Path) -> str | None:
+    """The run name when a folder is some run's trained draft (<run>/train/draft), else None."""
+    parts = Path(draft_folder).parts
+    return parts[-3] if len(parts) >= 3 and parts[-2:] == ("train", "draft") else None

@@ -1,0 +1,46 @@
+"""Every serving engine, in one list: the only place that names them all.
+
+An engine is one module implementing serving.engines.base.ServingEngine plus one line here;
+export, validation and the model card go through it and never ask which engine it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from recipe import ConfigError
+from serving.engines.base import Counters, EngineRun, Export, Exported, ServingEngine
+from serving.engines.llamacpp import LlamaCppEngine
+from serving.engines.vllm import VLLM
+
+ENGINES: list[type] = [
+    VLLM,
+    LlamaCppEngine,
+]
+
+
+def make_engine(name: str, **options) -> ServingEngine:
+    """The engine named name, with its options (fields of its class); options it does not take
+    are refused by name."""
+    engine = next((e for e in ENGINES if e.name == name), None)
+    if engine is None:
+        raise ConfigError(f"unknown serving engine {name!r}: choose one of "
+                          f"{[e.name for e in ENGINES]}.")
+    known = {f.name for f in dataclasses.fields(engine)}
+    if unknown := sorted(set(options) - known):
+        raise ConfigError(f"{engine.label} takes no option {unknown}: its options are "
+                          f"{sorted(known) or 'none'}.")
+    return engine(**options)
+
+
+def engine_for_format(fmt: str, **options) -> ServingEngine:
+    """The engine whose export folders serving.export --format fmt writes."""
+    engine = next((e for e in ENGINES if fmt in e.formats), None)
+    if engine is None:
+        raise ConfigError(f"--format {fmt!r}: no serving engine loads it; choose one of "
+                          f"{[f for e in ENGINES for f in e.formats]}.")
+    return make_engine(engine.name, **options)
+
+
+__all__ = ["ENGINES", "Counters", "EngineRun", "Export", "Exported", "ServingEngine",
+           "engine_for_format", "make_engine"]

