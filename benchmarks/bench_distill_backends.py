@@ -25,10 +25,10 @@ def main() -> None:
     import pyarrow.parquet as pq
     import torch
     from accelerate import Accelerator
-    from distill.shards import shard_files
 
     from distill import run_distill
     from recipe import cache_root, load_config
+    from runfolder import shard_files
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,6 +79,7 @@ def features(cfg) -> None:
 
     from assets.target import load_target, load_tokenizer, resolve_target
     from drafts.eagle3 import default_aux_layers
+    from runfolder import run_folder
     from train.data import load_stage1
     from train.features import bytes_per_token, feature_cache
 
@@ -91,7 +92,7 @@ def features(cfg) -> None:
     data = load_stage1(cfg, target_ref.fingerprint)
     examples = data.train + data.held_out
     aux = cfg.train.eagle_aux_layers or default_aux_layers(target.config.num_hidden_layers)
-    shutil.rmtree(cfg.run.output_path / "features", ignore_errors=True)
+    shutil.rmtree(run_folder(cfg).features, ignore_errors=True)
     start = time.perf_counter()
     feature_cache(cfg, target, target_ref.fingerprint, examples, aux, tokenizer.pad_token_id,
                   log=lambda *a: None)

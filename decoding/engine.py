@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -156,7 +156,7 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if draft is not None:
         with clock.drafting():
             draft.start(input_ids, attention_mask, first, target_lm.hidden_states)
-    step = make_step(settings, target_lm, draft, probs, drafting_settings(settings), generator)
+    step = make_step(settings, target_lm, draft, probs, generator)
     schedule = make_schedule(settings, draft is not None)
     pending, k, k_used = first, settings.k if draft is not None else 0, []
     while not rows.all_done():
@@ -200,18 +200,6 @@ def stop_rule(settings: DecodeSettings, stop_token_ids: set[int], decode):
         return bool(settings.stop_strings) and any(
             s in decode(tokens[-tail:]) for s in settings.stop_strings)
     return stopped
-
-
-def drafting_settings(settings: DecodeSettings) -> DecodeSettings:
-    """What the draft samples at: the target's settings, or its own temperature (0: argmax,
-    a one-hot q) and top_k."""
-    if settings.temperature > 0 and settings.draft_temperature == 0:
-        return replace(settings, temperature=0.0, top_p=1.0, top_k=0)
-    if settings.temperature > 0:
-        own = {} if settings.draft_top_k is None else {"top_k": settings.draft_top_k}
-        return replace(settings, temperature=settings.draft_temperature
-                       or settings.temperature, **own)
-    return settings
 
 
 class Clock:

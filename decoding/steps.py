@@ -9,7 +9,7 @@ what was accepted (accept), the path when it may leave the draft's own chain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -157,14 +157,27 @@ class DynamicTreeStep(TreeStep):
 
 
 def make_step(settings: DecodeSettings, target_lm: CachedLM, draft, probs,
-              drafting: DecodeSettings, generator) -> ChainStep:
+              generator) -> ChainStep:
     """The step settings ask for, given what the draft can do (a kind without propose_tree
     grows the default tree shape instead of a dynamic one)."""
+    drafting = drafting_settings(settings)
     if draft is None or not (settings.tree or settings.ngram_branch):
         return ChainStep(target_lm, draft, probs, drafting, generator)
     if settings.tree and settings.tree_nodes > 0 and draft.propose_tree is not None:
         return DynamicTreeStep(target_lm, draft, probs, drafting, generator, settings)
     return TreeStep(target_lm, draft, probs, drafting, generator, settings)
+
+
+def drafting_settings(settings: DecodeSettings) -> DecodeSettings:
+    """What the draft samples at: the target's settings, or its own temperature (0: argmax,
+    a one-hot q) and top_k."""
+    if settings.temperature > 0 and settings.draft_temperature == 0:
+        return replace(settings, temperature=0.0, top_p=1.0, top_k=0)
+    if settings.temperature > 0:
+        own = {} if settings.draft_top_k is None else {"top_k": settings.draft_top_k}
+        return replace(settings, temperature=settings.draft_temperature
+                       or settings.temperature, **own)
+    return settings
 
 
 def alternatives(draft, chain: torch.Tensor, settings: DecodeSettings) -> torch.Tensor | None:
