@@ -30,7 +30,7 @@ import torch
 from decoding.kv import CachedLM
 from decoding.schedule import StepTimes, make_schedule
 from decoding.speculative import sampling_probs
-from decoding.steps import Outcome, make_step, sources_counts
+from decoding.steps import Outcome, make_step
 from recipe import DecodeSettings
 
 
@@ -271,10 +271,10 @@ class Rows:
                 s.accepted_per_position[position] += position < n
             if draft is not None and draft.failures is not None:
                 s.draft_failures = int(draft.failures[row])
-            alternative, ngram = sources_counts(outcome, row, n)
-            s.accepted_alternative += alternative
-            s.accepted_ngram += ngram
-            s.tree_fallbacks += outcome.fallbacks[row] if outcome.fallbacks else 0
+            if outcome.fallbacks is not None:  # a tree step
+                s.accepted_alternative += outcome.alternative[row]
+                s.accepted_ngram += outcome.ngram[row]
+                s.tree_fallbacks += outcome.fallbacks[row]
             before = len(self.outputs[row])
             for token in outcome.path[row, :n].tolist() + [nxt]:
                 self.outputs[row].append(token)

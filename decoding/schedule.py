@@ -10,8 +10,11 @@ expected tokens per second,
 
 with a_j the conditional acceptance at draft position j in the window (rows accepting j
 among those accepting j-1), draft_per_token the draft's seconds per drafted position and
-verify the target's seconds per step, all measured in the window. Positions never offered in the window take the
-last observed rate (so k can grow past what was tried).
+verify the target's seconds per step, all measured in the window. Positions never offered in
+the window take the last observed rate (so k can grow past what was tried).
+
+generate picks the schedule once, before its loop (make_schedule): fixed k, the per-step
+heuristic, or the window.
 """
 
 from __future__ import annotations

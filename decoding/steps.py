@@ -53,8 +53,10 @@ class Outcome:
     """The target's hidden states over [pending, path_1..path_k] when it keeps them."""
     drafted: list[int]
     """Per row: the draft tokens verified (k for a chain, the tree's nodes for a tree)."""
-    sources: torch.Tensor | None = None
-    """[B, k] decoding.tree source of each accepted node (tree steps)."""
+    alternative: list[int] | None = None
+    """Per row: accepted tokens that were the draft's alternatives, not its chain (trees)."""
+    ngram: list[int] | None = None
+    """Per row: accepted tokens that only the n-gram branch proposed (trees)."""
     fallbacks: list[int] | None = None
     """Per row: non-finite draft distributions tested as point masses instead (tree steps)."""
 
@@ -128,10 +130,11 @@ class TreeStep(ChainStep):
                            for h in lm.hidden_states)
         lm.keep_nodes(keep)
         dropped = proposal.dropped or [0] * batch
+        sources = torch.where(on_path, tree.source.gather(1, path), -1)  # [B, k]
         return Outcome(result.num_accepted, result.next_token,
                        torch.where(on_path, tree.tokens.gather(1, path), 0), hidden,
-                       (tree.valid.sum(1) - 1).tolist(),
-                       torch.where(on_path, tree.source.gather(1, path), 0),
+                       (tree.valid.sum(1) - 1).tolist(), (sources == ALTERNATIVE).sum(1).tolist(),
+                       (sources == NGRAM).sum(1).tolist(),
                        [int(f) + d for f, d in zip(result.fallbacks.tolist(), dropped)])
 
     def accept(self, outcome: Outcome) -> None:
@@ -191,11 +194,3 @@ def alternatives(draft, chain: torch.Tensor, settings: DecodeSettings) -> torch.
     ranked = scores.float().nan_to_num(nan=float("-inf")).topk(width + 1, dim=-1).indices
     order = torch.argsort((ranked == chain[..., None]).long(), dim=-1, stable=True)
     return ranked.gather(-1, order)[..., :width]  # the chain's token, if ranked, moved out
-
-
-def sources_counts(outcome: Outcome, row: int, n: int) -> tuple[int, int]:
-    """(accepted alternatives, accepted n-gram-only tokens) of a tree step's row."""
-    if outcome.sources is None:
-        return 0, 0
-    sources = outcome.sources[row, :n]
-    return int((sources == ALTERNATIVE).sum()), int((sources == NGRAM).sum())
