@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(cfg, accelerator.device)
         if "export" in stages and accelerator.is_main_process:
             exported = export_draft(cfg, cfg.eval.k)
-            print(f"[export] {exported.folder}; serve with:\n  {exported.vllm_command}")
+            print(f"[export] {exported.folder}; serve with:\n  {exported.command}")
         if "validate" in stages and accelerator.is_main_process:
             result = validate(cfg)
             print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
