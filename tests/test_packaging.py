@@ -11,14 +11,15 @@ import pytest
 
 from tests.helpers import ROOT
 
-SHIPPED = ("recipe", "assets", "decoding", "drafts", "distill", "train", "eval", "serving")
-
-
 def tracked_package_files() -> set[str]:
-    """Every file git tracks under the shipped packages (sources and data alike)."""
-    listed = subprocess.run(["git", "ls-files", *SHIPPED], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.split()
-    return {name for name in listed if "__pycache__" not in name}
+    """Every file git tracks under a top-level package of the tree (a folder with an
+    __init__.py; tests are not shipped), sources and data alike."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    packages = {name.split("/")[0] for name in listed
+                if name.count("/") == 1 and name.endswith("/__init__.py")} - {"tests"}
+    return {name for name in listed
+            if name.split("/")[0] in packages and "__pycache__" not in name}
 
 
 def packages_of(files: set[str]) -> set[str]:

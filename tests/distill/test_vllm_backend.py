@@ -15,7 +15,7 @@ def test_vllm_backend_writes_what_the_hf_backend_writes(tmp_path):
     from accelerate import Accelerator
 
     from distill import run_distill
-    from runfolder.shards import read_manifest, shard_files
+    from runfolder import read_manifest, shard_files
 
     def run(backend):
         cfg = load_config(recipe_path("smollm2-135m-independent"), [
