@@ -2,8 +2,7 @@
 held-out figures), and measured from an engine's counters with their 95 % intervals (eval,
 serving.validate).
 
-Predicted.
-On data the target wrote, the draft proposing at position t is accepted with probability
+Predicted: on data the target wrote, the draft proposing at position t is accepted with probability
 a_t = sum_v min(p_t(v), q_t(v)) = 1 - TVD(p_t, q_t) when both sample (temperature 1), or
 a_t = [argmax q_t == argmax p_t] under greedy decoding. A chain of k draft tokens starting at t is
 accepted up to position j with probability prod_{i<j} a_{t+i} (the draft continues along the

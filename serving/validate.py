@@ -44,6 +44,7 @@ from drafts import engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings
 from runfolder import load_eval_prompts, run_folder
 from serving.engines import ENGINES, Counters, EngineRun, Exported, ServingEngine, make_engine
+from serving.engines.base import summed
 
 
 @dataclass
@@ -182,11 +183,9 @@ def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
 def pooled(requests: list[Counters], k: int) -> tuple[float, list[float], int]:
     """Requests' counters -> (tau, alpha_1..k conditional on the position being drafted,
     drafting steps)."""
-    steps = sum(r.drafts for r in requests)
-    accepted = [sum(r.accepted_per_position[j] for r in requests
-                    if j < len(r.accepted_per_position)) for j in range(k)]
-    drafted = [sum(r.drafted_per_position[j] for r in requests) for j in range(k)]
-    return (*rates(steps, accepted, drafted), steps)
+    total = summed(requests, k)
+    return (*rates(total.drafts, total.accepted_per_position, total.drafted_per_position),
+            total.drafts)
 
 
 def ours_as_counters(stats: list, k: int) -> list[Counters]:
@@ -280,9 +279,9 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
     exported = engine.exported(cfg, folder)
     settings = replace(settings or DecodeSettings(), max_new_tokens=cfg.eval.max_new_tokens,
                        k=exported.k, batch_size=cfg.eval.batch_size)
-    drafting = engine.drafting(exported, settings)
-    if our_draft_temperature is not None:
-        drafting = replace(drafting, draft_temperature=our_draft_temperature)
+    as_engine = engine.drafting(exported, settings)
+    drafting = as_engine if our_draft_temperature is None else replace(
+        as_engine, draft_temperature=our_draft_temperature)
     ours = our_run(cfg, drafting)
     spec = engine.run(cfg, exported, ours.target_path, ours.prompts, settings, ours.eos, True)
     extra = {"temperature": settings.temperature, "top_p": settings.top_p,
@@ -299,8 +298,7 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
                       alpha_engine=alpha_engine, identical_engine_texts=0,
                       identical_to_our_engine=0,
                       draft_temperature_ours=drafting.draft_temperature,
-                      draft_temperature_engine=engine.drafting(exported,
-                                                               settings).draft_temperature,
+                      draft_temperature_engine=as_engine.draft_temperature,
                       draft_top_k_ours=drafting.draft_top_k)
         tolerance = 0.0
     else:

