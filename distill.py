@@ -32,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run one stage alone (default: the whole pipeline)")
     args, overrides = parser.parse_known_args(argv)
 
-    from drafts import check_train_config
+    from drafts import check_target_config, check_train_config
     from recipe import ConfigError, load_config
+    from serving.engines import check_target_served
 
     try:
         cfg = load_config(args.config, overrides)
-        check_train_config(cfg.train)
+        kind = check_train_config(cfg.train)
+        check_target_config(cfg, kind)
+        check_target_served(cfg, kind)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -21,9 +21,15 @@ class ChatTemplateError(ValueError):
     """The target's chat template does not render conversations as a growing prefix."""
 
 
+TEMPLATE_KWARGS = "draftsmith_chat_template_kwargs"
+"""The tokenizer attribute holding model.chat_template_kwargs (set by assets.target's
+load_tokenizer), so every rendering of a conversation uses the recipe's mode."""
+
+
 def render_text(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **getattr(tokenizer, TEMPLATE_KWARGS, {}))
 
 
 def encode(tokenizer, text: str) -> list[int]:

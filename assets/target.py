@@ -162,14 +162,30 @@ def resolve_target(cfg: ModelConfig) -> ResolvedTarget:
     return ResolvedTarget(cfg.target, cfg.target, cfg.revision, "hub-commit:" + snapshot.name)
 
 
-def load_tokenizer(target: ResolvedTarget):
+def load_tokenizer(target: ResolvedTarget, chat_template_kwargs: dict | None = None):
+    """The target's tokenizer, left-padding, rendering chats with `chat_template_kwargs`
+    (model.chat_template_kwargs: Qwen3's enable_thinking, gpt-oss's reasoning_effort)."""
     from transformers import AutoTokenizer
+
+    from assets.chat import TEMPLATE_KWARGS
 
     tokenizer = AutoTokenizer.from_pretrained(target.path, revision=target.revision)
     if tokenizer.chat_template is None:
-        raise ConfigError(f"the target {target.name!r} has no chat template; distillation data "
-                          "is written in the target's own chat format, so use a chat/instruct "
-                          "model.")
+        raise ConfigError(
+            f"the target {target.name!r} has no chat template (no chat_template in its "
+            "tokenizer_config.json nor a chat_template.jinja): distillation data are written in "
+            "the target's own chat format, so use its chat/instruct variant (e.g. "
+            "Llama-3.1-8B-Instruct, not Llama-3.1-8B), or add a chat_template.jinja to the "
+            "folder.")
+    unread = [name for name in chat_template_kwargs or {}
+              if name not in str(tokenizer.chat_template)]
+    if unread:
+        raise ConfigError(
+            f"model.chat_template_kwargs names {unread}, which the chat template of "
+            f"{target.name!r} never reads (a typo, or another model's mode: Qwen3 reads "
+            "enable_thinking, gpt-oss reasoning_effort): remove or correct it, or the data would "
+            "be written in a mode you did not ask for.")
+    setattr(tokenizer, TEMPLATE_KWARGS, dict(chat_template_kwargs or {}))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -79,7 +79,8 @@ class VLLMGenerator:
         self.eos_ids = end_of_turn_ids(holder, tokenizer)
         self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
                        dtype=dtype, seed=0, max_model_len=max_model_len,
-                       enforce_eager=gen.vllm_enforce_eager)
+                       enforce_eager=gen.vllm_enforce_eager,
+                       tensor_parallel_size=gen.vllm_tensor_parallel_size)
 
     def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         from vllm import SamplingParams

@@ -67,11 +67,19 @@ class DistillSummary:
 
 def run_distill(cfg: Config, accelerator) -> DistillSummary:
     cfg = dataclasses.replace(cfg, generation=resolve_generation(cfg.generation))
+    tensor_parallel = cfg.generation.vllm_tensor_parallel_size
+    if cfg.generation.backend == "vllm" and tensor_parallel > 1 and accelerator.num_processes > 1:
+        raise ConfigError(
+            f"generation.vllm_tensor_parallel_size={tensor_parallel} spreads one vLLM engine over "
+            f"{tensor_parallel} GPUs, but stage 1 was launched as {accelerator.num_processes} "
+            "processes, each of which would start its own on the same GPUs: run stage 1 as one "
+            "process (`python distill.py --config ... --stage distill`), or set "
+            "generation.vllm_tensor_parallel_size=1 for one engine per process.")
     out = cfg.run.output_path
     data_dir = RunFolder(out).data
     log = accelerator.print
     target = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(target)
+    tokenizer = load_tokenizer(target, cfg.model.chat_template_kwargs)
     identity = _identity(cfg, target, tokenizer)
 
     manifest = read_manifest(out)
@@ -159,12 +167,16 @@ def _identity(cfg: Config, target, tokenizer) -> dict:
     resolved = cfg.to_dict()
     data, generation = resolved["data"], resolved["generation"]
     data.pop("shard_size")
-    for key in ("batch_size", "backend", "vllm_enforce_eager"):  # how, not what, is generated
+    for key in ("batch_size", "backend", "vllm_enforce_eager",  # how, not what, is generated
+                "vllm_tensor_parallel_size"):
         generation.pop(key)
     template = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return {"target": {"name": target.name, "revision": target.revision,
                        "fingerprint": target.fingerprint, "dtype": cfg.model.dtype,
-                       "chat_template_sha256": template},
+                       "chat_template_sha256": template,
+                       # only when set, so manifests written before the key still resume
+                       **({"chat_template_kwargs": cfg.model.chat_template_kwargs}
+                          if cfg.model.chat_template_kwargs else {})},
             "seed": cfg.run.seed, "data": data, "generation": generation}
 
 

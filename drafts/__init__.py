@@ -6,11 +6,13 @@ drafts and export all go through these."""
 from drafts.kind import DraftKind, LoadedDraft, TargetHidden
 from drafts.registry import (
     KINDS,
+    check_target_config,
     check_train_config,
     engine_draft,
     kind_of,
     load_draft,
 )
 
-__all__ = ["KINDS", "DraftKind", "LoadedDraft", "TargetHidden", "check_train_config",
+__all__ = ["KINDS", "DraftKind", "LoadedDraft", "TargetHidden", "check_target_config",
+           "check_train_config",
            "engine_draft", "kind_of", "load_draft"]

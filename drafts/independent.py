@@ -71,17 +71,38 @@ class VocabMismatchError(ConfigError):
     """Draft and target do not share a vocabulary, so draft tokens would mean other words."""
 
 
+def first_vocab_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int]) -> str | None:
+    """The lowest token id the two tokenizers (token -> id maps) spell differently, described
+    ('id 2: the target's '<|im_end|>', the draft's '</s>''), or None when they agree."""
+    target_tokens = {i: t for t, i in target_vocab.items()}
+    draft_tokens = {i: t for t, i in draft_vocab.items()}
+    for i in sorted(set(target_tokens) | set(draft_tokens)):
+        a, b = target_tokens.get(i), draft_tokens.get(i)
+        if a != b:
+            return (f"id {i}: the target's {a!r}, the draft's {b!r}" if a is not None and
+                    b is not None else f"id {i}: only the {'target' if b is None else 'draft'} "
+                    f"has it ({a if b is None else b!r})")
+    return None
+
+
 def check_same_vocab(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
-    """Refuse a draft whose vocabulary differs from the target's, before any generation."""
+    """Refuse a draft whose vocabulary differs from the target's, before any generation, naming
+    the first token that differs."""
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        difference = first_vocab_difference(target_tokenizer.get_vocab(),
+                                             draft_tokenizer.get_vocab())
+        if difference is not None:
+            raise VocabMismatchError(
+                f"the draft's tokenizer differs from the target's at {difference}: a draft "
+                "(independent or PARD) must use the target's tokenizer, so every token it "
+                "proposes means the same to the target. Pick a draft of the target's family "
+                "(e.g. Llama-3.2-1B-Instruct for Llama-3.1-8B, Qwen3-0.6B for Qwen3-8B), or "
+                "train.draft=layer-truncated:<n> of the target itself.")
     t_size = target.get_output_embeddings().weight.shape[0]
     d_size = draft.get_output_embeddings().weight.shape[0]
     if t_size != d_size:
         raise VocabMismatchError(f"the draft's vocabulary has {d_size} tokens, the target's "
                                  f"{t_size}: a draft must use the target's tokenizer.")
-    if target_tokenizer is not None and draft_tokenizer is not None:
-        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-            raise VocabMismatchError("the draft's tokenizer maps tokens to other ids than the "
-                                     "target's: a draft must use the target's tokenizer.")
 
 
 def pretrained_draft(spec: str, target, target_tokenizer, dtype):
@@ -242,6 +263,14 @@ class Independent:
 
     def check_train(self, cfg: TrainConfig) -> None:
         parse_spec(cfg.draft)
+
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        kind, layers, _ = parse_spec(cfg.draft)
+        depth = target_config["num_hidden_layers"]
+        if kind == "layer-truncated" and layers >= depth:
+            raise ConfigError(f"train.draft={cfg.draft!r} keeps {layers} of the target's {depth} "
+                              f"layers: a draft is cheaper only with fewer, e.g. "
+                              f"'layer-truncated:{max(1, depth // 8)}'.")
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         spec = cfg.draft

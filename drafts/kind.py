@@ -82,6 +82,11 @@ class DraftKind(Protocol):
         """Refuse train settings this kind cannot honour, and values of its train_keys out of
         range (a ConfigError that names the fix)."""
 
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        """Refuse settings the target cannot honour, from its config.json alone (no weights):
+        layer ids beyond its depth, token ids beyond its vocabulary, k = eval.k draft tokens
+        beyond what this kind drafts per step."""
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples: list, log) -> nn.Module:
         """The initial trainable fp32 draft on the target's device (the loop seeds the RNG).
         examples: the training conversations (train.data.Example)."""

@@ -235,6 +235,13 @@ class Medusa:
                               f"heads, but train.draft={cfg.draft!r} has {heads}: lower "
                               "train.eval_k or add heads.")
 
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        heads, _ = self.shape(cfg.draft)
+        if k > heads:
+            raise ConfigError(f"eval.k={k} draft tokens need as many Medusa heads, but "
+                              f"train.draft={cfg.draft!r} has {heads}: lower eval.k or add "
+                              "heads.")
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> MedusaHeads:
         heads = MedusaHeads.from_target(target, *self.shape(cfg.draft)).float()
         return heads.requires_grad_(True).train()

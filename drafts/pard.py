@@ -135,6 +135,15 @@ class Pard:
         parse_spec(inner)
         check_blocks(cfg, "PARD")
 
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        Independent().check_target(self._inner(cfg), k, target_config)
+        if cfg.mask_token_id is not None:
+            check_mask_token(cfg.mask_token_id, target_config["vocab_size"])
+        if k > cfg.block_size:
+            raise ConfigError(f"eval.k={k}: the PARD draft proposes train.block_size="
+                              f"{cfg.block_size} tokens per forward; set eval.k <= "
+                              f"{cfg.block_size} or train a larger block.")
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)
         vocab = target.get_output_embeddings().weight.shape[0]

@@ -69,6 +69,9 @@ class PromptLookup:
                           "measure it with eval.draft=prompt-lookup (or the prompt_lookup eval "
                           "method) and train another kind.")
 
+    def check_target(self, cfg, k, target_config) -> None:
+        pass  # nothing trained: check_train already refuses it
+
     def build(self, cfg, target, tokenizer, examples, log):
         self.check_train(cfg)
 

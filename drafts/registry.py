@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from assets.published import target_facts
 from drafts.dflash import DFlash
 from drafts.eagle3 import Eagle3
 from drafts.folders import read_config
@@ -19,7 +20,7 @@ from drafts.kind import DraftKind, LoadedDraft
 from drafts.medusa import Medusa
 from drafts.pard import Pard
 from drafts.prompt_lookup import PromptLookup
-from recipe import ConfigError, TrainConfig
+from recipe import Config, ConfigError, TrainConfig
 
 KINDS: list[DraftKind] = [
     Medusa(),
@@ -53,6 +54,15 @@ def check_train_config(cfg: TrainConfig) -> DraftKind:
                               f"does not read it; drop it.")
     kind.check_train(cfg)
     return kind
+
+
+def check_target_config(cfg: Config, kind: DraftKind) -> None:
+    """The kind's checks against the target's config.json, read without downloading (a local
+    folder, the HF cache, or assets/published.py); a target none of them knows is checked when
+    its weights load."""
+    facts = target_facts(cfg.model.target)
+    if facts is not None:
+        kind.check_target(cfg.train, cfg.eval.k, facts.config)
 
 
 def load_draft(spec: str, target, tokenizer, dtype: torch.dtype,

@@ -32,7 +32,7 @@ def main() -> None:
     gen = cfg.generation
 
     target = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(target)
+    tokenizer = load_tokenizer(target, cfg.model.chat_template_kwargs)
     model = load_target(target, cfg.model.dtype, torch.device("cpu"))
     eos = end_of_turn_ids(model, tokenizer)
     conversations, _ = load_sharegpt()

@@ -36,7 +36,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     cfg = load_config(args.config, overrides)
     resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, cfg.model.dtype, torch.device("cpu"))
     conversations, _ = load_mtbench()
     text = " ".join(t for c in conversations for t in c.user_turns)

@@ -37,7 +37,7 @@ def argmax_acceptance(config: str, overrides: list[str], temperature: float) -> 
 
     cfg = load_config(config, overrides)
     resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     cpu = torch.device("cpu")
     target = load_target(resolved, "float32", cpu)
     prompts, _ = load_eval_prompts(cfg, tokenizer, None)

@@ -249,7 +249,7 @@ def _load(cfg: Config, device: torch.device):
     """-> (resolved target, tokenizer, target, the draft or None); the draft is checked against
     the target and k here, before any generation."""
     resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, cfg.model.dtype, device)
     spec = cfg.eval.draft
     if spec == "trained":

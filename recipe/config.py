@@ -64,6 +64,10 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) when target is a hub id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and compute dtype of the target."""
+    chat_template_kwargs: dict[str, str | bool | int | float] = field(default_factory=dict)
+    """Passed to the target's chat template wherever a conversation is rendered (stage 1, train,
+    eval, validate, the server), e.g. {enable_thinking: false} for Qwen3's non-thinking mode or
+    {reasoning_effort: low} for gpt-oss; the data record them, so eval uses the same mode."""
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -138,6 +142,10 @@ class GenerationConfig:
     of the two; docs/distillation.md), else transformers."""
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine spreads the target over (a target too large for one GPU). With 1,
+    `accelerate launch` runs one engine per process (data parallel); above 1, stage 1 runs as
+    one process (`python distill.py --stage distill`) driving one engine over that many GPUs."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -153,6 +161,9 @@ class GenerationConfig:
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"generation.batch_size={self.batch_size} must be >= 1 (or null: "
                               "64 with vLLM, 16 with transformers).")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ConfigError(f"generation.vllm_tensor_parallel_size="
+                              f"{self.vllm_tensor_parallel_size} must be >= 1.")
         if self.top_k_logprobs < 0:
             raise ConfigError(f"generation.top_k_logprobs={self.top_k_logprobs} must be >= 0.")
 
@@ -613,6 +624,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         if value not in args:
             raise ConfigError(f"{where}={value!r} is not one of {list(args)}.")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{where} must be a mapping of names to values, e.g. "
+                              f"{{enable_thinking: false}}; got {value!r}.")
+        return {k: _check_type(v, args[1], f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         if isinstance(value, (str, int, float)):  # one item given where a list is expected
             value = [value]

@@ -32,7 +32,7 @@ class Served:
         self.cfg = cfg
         resolved = resolve_target(cfg.model)
         self.model_id = model_id(cfg)
-        self.tokenizer = load_tokenizer(resolved)
+        self.tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
         self.target = load_target(resolved, cfg.model.dtype, device)
         self.device = device
         self.eos = end_of_turn_ids(self.target, self.tokenizer)

@@ -168,7 +168,7 @@ def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
         raise ConfigError(f"{trained} holds no trained draft to compare the engine with: run the "
                           "train stage first.")
     resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, "float32", torch.device("cpu"))  # fp32: bf16 greedy drifts
     prompts, _ = load_eval_prompts(cfg, tokenizer,
                                    getattr(target.config, "max_position_embeddings", None))

@@ -386,7 +386,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         return _already_trained(run.draft, cfg, accelerator)
     kind = check_train_config(tcfg)
     resolved = resolve_target(cfg.model)
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     data = load_stage1(cfg, resolved.fingerprint)
     target = load_target(resolved, cfg.model.dtype, accelerator.device)
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from drafts.dflash.engine import DFlashDraft
-from drafts.dflash.head import DFlashForTraining, DFlashHead, check_fits_target, is_dflash_config
+from drafts.dflash.head import (
+    DFlashForTraining,
+    DFlashHead,
+    check_aux_layers,
+    check_fits_target,
+    is_dflash_config,
+)
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
 from drafts.kind import LoadedDraft, check_blocks, check_feature_noise
@@ -62,6 +68,16 @@ class DFlash:
             raise ConfigError("a DFlash drafter needs the target's features on every batch and "
                               "is trained whole: set train.on_policy_fraction=0, "
                               "train.lora_rank=0 and train.target_logits=online.")
+
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        layers, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
+        check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
+        if cfg.mask_token_id is not None:
+            check_mask_token(cfg.mask_token_id, vocab)
+        if k > cfg.block_size:
+            raise ConfigError(f"eval.k={k}: the drafter fills blocks of train.block_size="
+                              f"{cfg.block_size} masks per step; set eval.k <= "
+                              f"{cfg.block_size} or train a larger block.")
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> DFlashHead:
         layers = target.config.num_hidden_layers

@@ -67,6 +67,14 @@ class Eagle3:
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < 1:
             raise ConfigError("train.draft_vocab_size must be >= 1 (or null).")
 
+    def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        layers, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
+        check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+            raise ConfigError(f"train.draft_vocab_size={cfg.draft_vocab_size} exceeds the "
+                              f"target's vocabulary of {vocab} tokens: lower it (32000 is "
+                              "EAGLE-3's usual), or null for the whole vocabulary.")
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> Eagle3Head:
         """A fresh head: aux layers checked against the target, the draft vocabulary the
         train.draft_vocab_size most frequent label tokens of the training conversations."""

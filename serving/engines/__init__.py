@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from recipe import ConfigError
+from assets.published import target_architecture
+from drafts import DraftKind
+from recipe import Config, ConfigError
 from serving.engines.base import Counters, EngineRun, Export, Exported, ServingEngine
 from serving.engines.llamacpp import LlamaCppEngine
 from serving.engines.vllm import VLLM
@@ -31,6 +33,16 @@ def make_engine(name: str, **options) -> ServingEngine:
         raise ConfigError(f"{engine.label} takes no option {unknown}: its options are "
                           f"{sorted(known) or 'none'}.")
     return engine(**options)
+
+
+def check_target_served(cfg: Config, kind: DraftKind) -> None:
+    """Refuse, at config load, a draft kind that vLLM cannot serve for the target's
+    architecture (read without downloading: local folder, HF cache or assets/published.py; a
+    target none of them knows is checked when its export is validated)."""
+    architecture = target_architecture(cfg.model.target)
+    if architecture is not None and (why := VLLM().why_not_target(kind, architecture)):
+        raise ConfigError(f"model.target={cfg.model.target!r} is a {architecture}, and "
+                          f"train.draft={cfg.train.draft!r}: {why}")
 
 
 def engine_for_format(fmt: str, **options) -> ServingEngine:

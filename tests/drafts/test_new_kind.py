@@ -83,6 +83,9 @@ class UnigramKind:
         if cfg.on_policy_fraction or cfg.lora_rank:
             raise ConfigError("a unigram draft neither samples on policy nor takes LoRA.")
 
+    def check_target(self, cfg, k, target_config):
+        pass  # any depth, any vocabulary
+
     def build(self, cfg, target, tokenizer, examples, log):
         vocab = target.get_output_embeddings().weight.shape[0]
         return Unigram(vocab).to(target.device).train()

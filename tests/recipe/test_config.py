@@ -107,8 +107,8 @@ def test_tests_write_under_a_temporary_cache(temporary_cache):
     assert Path.home() / ".cache" not in cache_root().parents
 
 
-@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")),
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("smollm2-*.yaml")),
                          ids=lambda p: p.stem)
-def test_every_recipe_loads_with_the_auto_backend(recipe):
+def test_every_embedded_recipe_loads_with_the_auto_backend(recipe):
     cfg = load_config(recipe)
     assert cfg.generation.backend == "auto" and cfg.generation.batch_size is None
