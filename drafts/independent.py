@@ -18,7 +18,7 @@ from decoding.kv import CachedLM
 from decoding.speculative import sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
-from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
+from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, layer_parameters
 from recipe import ConfigError, TrainConfig
 
 # --- initial drafts --------------------------------------------------------------------------
@@ -271,6 +271,29 @@ class Independent:
             raise ConfigError(f"train.draft={cfg.draft!r} keeps {layers} of the target's {depth} "
                               f"layers: a draft is cheaper only with fewer, e.g. "
                               f"'layer-truncated:{max(1, depth // 8)}'.")
+
+    def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
+        from assets.published import TargetFacts, target_facts
+
+        kind, layers, hidden = parse_spec(cfg.draft)
+        if kind == "pretrained":
+            facts = target_facts(cfg.draft)
+            if facts is None:
+                raise ConfigError(f"train.draft={cfg.draft!r}: its config.json is neither a local "
+                                  "folder nor in the HF cache, so its size is unknown; download "
+                                  "it first (huggingface-cli download) to plan with it.")
+            total, _ = facts.parameters()
+            return total, 0
+        facts = TargetFacts("target", target_config, "")
+        h, v = hidden or facts.hidden, facts.vocab
+        embeddings = v * h * (1 if target_config.get("tie_word_embeddings") else 2)
+        if kind == "layer-truncated":
+            body = layers * (facts.parameters()[0] - v * facts.hidden * (
+                1 if target_config.get("tie_word_embeddings") else 2)) // facts.layers
+        else:
+            body = layers * layer_parameters(target_config, hidden=h, intermediate=4 * h)
+        freeze = cfg.freeze_embeddings if cfg.freeze_embeddings is not None else kind != "fresh"
+        return (body, embeddings) if freeze else (body + embeddings, 0)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         spec = cfg.draft

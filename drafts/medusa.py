@@ -242,6 +242,12 @@ class Medusa:
                               f"train.draft={cfg.draft!r} has {heads}: lower eval.k or add "
                               "heads.")
 
+    def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
+        heads, layers = self.shape(cfg.draft)
+        h, v = target_config["hidden_size"], target_config["vocab_size"]
+        blocks = heads * layers * h * h  # each head's residual blocks, then its own lm_head
+        return (blocks, heads * v * h) if cfg.freeze_embeddings else (blocks + heads * v * h, 0)
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> MedusaHeads:
         heads = MedusaHeads.from_target(target, *self.shape(cfg.draft)).float()
         return heads.requires_grad_(True).train()

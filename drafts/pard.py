@@ -144,6 +144,9 @@ class Pard:
                               f"{cfg.block_size} tokens per forward; set eval.k <= "
                               f"{cfg.block_size} or train a larger block.")
 
+    def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
+        return Independent().parameters(self._inner(cfg), target_config)
+
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)
         vocab = target.get_output_embeddings().weight.shape[0]

@@ -72,6 +72,9 @@ class PromptLookup:
     def check_target(self, cfg, k, target_config) -> None:
         pass  # nothing trained: check_train already refuses it
 
+    def parameters(self, cfg, target_config) -> tuple[int, int]:
+        return 0, 0
+
     def build(self, cfg, target, tokenizer, examples, log):
         self.check_train(cfg)
 

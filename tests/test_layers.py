@@ -11,7 +11,7 @@ import subprocess
 from tests.helpers import ROOT
 
 LAYERS = [{"recipe"}, {"assets"}, {"decoding"}, {"drafts"}, {"runfolder"},
-          {"distill", "train", "eval", "serving"}, {"benchmarks", "distill.py"}]
+          {"distill", "train", "eval", "serving"}, {"plan"}, {"benchmarks", "distill.py"}]
 """Lowest first; a package may import its own layer's members only when it is that member."""
 
 

@@ -19,7 +19,7 @@ from drafts.dflash.head import (
 )
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
-from drafts.kind import LoadedDraft, check_blocks, check_feature_noise
+from drafts.kind import LoadedDraft, check_blocks, check_feature_noise, layer_parameters
 from drafts.parallel import check_mask_token, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
@@ -78,6 +78,13 @@ class DFlash:
             raise ConfigError(f"eval.k={k}: the drafter fills blocks of train.block_size="
                               f"{cfg.block_size} masks per step; set eval.k <= "
                               f"{cfg.block_size} or train a larger block.")
+
+    def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
+        h, layers = target_config["hidden_size"], target_config["num_hidden_layers"]
+        aux = cfg.eagle_aux_layers or default_aux_layers(layers)
+        body = parse_layers(cfg.draft) * layer_parameters(target_config) + len(aux) * h * h
+        head = target_config["vocab_size"] * h  # the target's lm_head, kept by default
+        return (body + head, 0) if cfg.freeze_embeddings is False else (body, head)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> DFlashHead:
         layers = target.config.num_hidden_layers

@@ -24,7 +24,7 @@ from drafts.eagle3.head import (
 )
 from drafts.eagle3.training import Eagle3ForTraining, unroll
 from drafts.folders import WEIGHTS_NAME, save_folder
-from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay
+from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay, layer_parameters
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
@@ -74,6 +74,12 @@ class Eagle3:
             raise ConfigError(f"train.draft_vocab_size={cfg.draft_vocab_size} exceeds the "
                               f"target's vocabulary of {vocab} tokens: lower it (32000 is "
                               "EAGLE-3's usual), or null for the whole vocabulary.")
+
+    def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
+        h = target_config["hidden_size"]
+        head = (cfg.draft_vocab_size or target_config["vocab_size"]) * h
+        body = layer_parameters(target_config, input_width=2 * h) + 3 * h * h  # layer, fc
+        return (body, head) if cfg.freeze_embeddings else (body + head, 0)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> Eagle3Head:
         """A fresh head: aux layers checked against the target, the draft vocabulary the

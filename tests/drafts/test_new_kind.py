@@ -86,6 +86,9 @@ class UnigramKind:
     def check_target(self, cfg, k, target_config):
         pass  # any depth, any vocabulary
 
+    def parameters(self, cfg, target_config):
+        return target_config["vocab_size"], 0
+
     def build(self, cfg, target, tokenizer, examples, log):
         vocab = target.get_output_embeddings().weight.shape[0]
         return Unigram(vocab).to(target.device).train()

@@ -1,0 +1,100 @@
+"""`distill.py --plan`: every real recipe fits one 8-GPU node as configured, a run that cannot fit
+is refused naming the fix, and the draft sizes the plan counts are the sizes the kinds build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from assets.published import PUBLISHED
+from drafts import check_train_config
+from plan import make_plan
+from recipe import ConfigError, load_config
+from tests.helpers import recipe_path, run_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.startswith("smollm2-"))
+DDP = str(ROOT / "configs" / "accelerate" / "ddp.yaml")
+GIB = 2**30
+
+
+@pytest.mark.parametrize("recipe", REAL, ids=lambda p: p.stem)
+def test_every_real_recipe_fits_one_node_of_eight_h100s(recipe, tmp_path):
+    cfg = load_config(recipe, [f"run.output_dir={tmp_path}"])
+    plan = make_plan(cfg, DDP)
+    assert plan.problems == [] and plan.accelerate.processes == 8
+    distill, train, _ = plan.stages
+    total, _ = plan.target.parameters()
+    assert train.memory["target"] == total * 2  # bf16, whole on every GPU
+    assert 0 < train.peak < 80 * GIB and 0 < distill.peak <= 0.9 * 80 * GIB
+    assert train.disk_bytes == 0  # online features: nothing dumped
+    assert distill.tokens == cfg.data.max_prompts * cfg.data.max_turns * \
+        cfg.generation.max_new_tokens // 2
+    assert all(s.seconds > 0 for s in plan.stages)
+    assert cfg.model.target in plan.text() and "does not fit" not in plan.text()
+
+
+def test_a_plan_that_cannot_fit_is_refused_naming_the_fixes(tmp_path):
+    moe = load_config(ROOT / "configs" / "qwen3-30b-a3b-eagle3.yaml",
+                      [f"run.output_dir={tmp_path}"])
+    problems = make_plan(moe, DDP, "l40s").problems
+    assert any(p.startswith("distill: the target's weights (56.9 GiB per GPU)") and
+               "vllm_tensor_parallel_size" in p for p in problems)
+    assert any(p.startswith("train:") and "GPUs with more memory" in p for p in problems)
+    dump = load_config(ROOT / "configs" / "llama-3.1-8b-instruct-eagle3.yaml",
+                       [f"run.output_dir={tmp_path}", "train.target_features=offline",
+                        "train.micro_batch_size=8"])
+    problems = make_plan(dump, DDP).problems
+    assert any(p.startswith("disk:") and "train.target_features=online" in p for p in problems)
+    assert any("train.micro_batch_size=4" in p for p in problems)
+
+
+def test_the_plan_command_prints_the_stages_and_exits_2_when_it_does_not_fit(tmp_path):
+    code, out, err = run_recipe(["--config", ROOT / "configs" / "qwen3-30b-a3b-eagle3.yaml",
+                                 "--plan", "--accelerate-config", DDP, "--device", "l40s",
+                                 f"run.output_dir={tmp_path}"])
+    assert code == 2 and "| distill |" in out and "does not fit" in out
+    assert "nothing was started" in err and not any(tmp_path.iterdir())
+    code, out, _ = run_recipe(["--config", ROOT / "configs" / "qwen3-8b-eagle3.yaml", "--plan",
+                               "--accelerate-config", DDP, f"run.output_dir={tmp_path}"])
+    assert code == 0 and "8 x h100-80gb" in out
+    code, _, err = run_recipe(["--config", ROOT / "configs" / "qwen3-8b-eagle3.yaml", "--plan",
+                               "--device", "tpu"])
+    assert code == 2 and "--device 'tpu'" in err
+
+
+def test_a_target_the_plan_cannot_find_offline_is_refused():
+    cfg = load_config(None, ["model.target=no-org/unknown-model"])
+    with pytest.raises(ConfigError, match="downloads nothing: fetch it first"):
+        make_plan(cfg)
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("eagle3", ["train.draft_vocab_size=512", "train.eagle_aux_layers=[0,1,1]"]), ("dflash", ["train.eagle_aux_layers=[1]"]),
+    ("medusa", []), ("independent", ["train.draft=layer-truncated:1"]),
+    ("pard", ["train.draft=pard:layer-truncated:1"]),
+])
+def test_the_draft_size_the_plan_counts_is_what_the_kind_builds(tiny_target, recipe, overrides):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.data import Example
+
+    cfg = load_config(recipe_path(f"smollm2-135m-{recipe}"),
+                      [f"model.target={tiny_target}", *overrides])
+    kind = check_train_config(cfg.train)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    examples = [Example("a", list(range(100, 400)), [0] * 50 + [1] * 250)]
+    draft = kind.build(cfg.train, target, AutoTokenizer.from_pretrained(tiny_target), examples,
+                       lambda *a: None)
+    kind.freeze(draft, cfg.train)
+    built = (sum(p.numel() for p in draft.parameters() if p.requires_grad),
+             sum(p.numel() for p in draft.parameters() if not p.requires_grad))
+    counted = kind.parameters(cfg.train, json.loads((tiny_target / "config.json").read_text()))
+    assert counted[0] == pytest.approx(built[0], rel=0.01)  # norms are the difference
+    assert counted[1] == built[1]
+
+
+def test_published_facts_cover_every_recipe_target():
+    assert {load_config(p).model.target for p in REAL} <= set(PUBLISHED)
