@@ -1,0 +1,61 @@
+"""Integration tier: targets of other architectures than the embedded Llama, in real vLLM. For
+each, a tiny random-weight instance (assets/tiny.py) writes stage-1 data, a draft is trained on
+it, exported, and validated greedy in vLLM: same tau and alpha_k as our engine, texts unchanged,
+drafts accepted. The whole matrix (every architecture x kind x engine, stage 1 in vLLM) is
+`python -m benchmarks.architecture_matrix`'s job (docs/architectures.md); here the kind the
+recipes train (EAGLE-3, which reads the target's intermediate layers) on the three architectures
+least like the embedded Llama: routed experts (Qwen3-MoE), MLA with experts (DeepSeek-V3), and
+attention sinks with sliding layers and experts (gpt-oss). A kind vLLM cannot serve for an
+architecture is refused at config load (tests/recipe/test_real_recipes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipe import load_config
+from tests.helpers import chat_records, recipe_path, reset_accelerate, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+CASES = [("qwen3-moe", "eagle3"), ("deepseek-v3", "eagle3"), ("gpt-oss", "eagle3")]
+TINY = ["data.max_prompts=null", "data.max_prompt_tokens=null", "data.held_out_fraction=0.1",
+        "generation.max_new_tokens=32", "generation.backend=hf", "train.max_steps=40",
+        "train.save_every=40", "train.eval_every=40", "train.micro_batch_size=4",
+        "train.mixed_precision=no", "train.target_features=online", "eval.num_prompts=3",
+        "eval.max_new_tokens=24"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("arch") / "prompts.jsonl", chat_records(32))
+
+
+@pytest.mark.parametrize(("architecture", "kind"), CASES, ids=[a for a, _ in CASES])
+def test_vllm_serves_a_draft_for_a_target_of_this_architecture_as_our_engine_does(
+        architecture, kind, prompts, smollm2_tokenizer, tmp_path):
+    from accelerate import Accelerator
+
+    from assets.tiny import build_tiny_target
+    from distill import run_distill
+    from drafts import check_target_config, check_train_config
+    from serving.engines import check_target_served
+    from serving.engines.vllm import VLLM
+    from serving.export import export_draft
+    from serving.validate import validate
+    from train import train_draft
+
+    target = build_tiny_target(architecture, tmp_path / "target", tokenizer=smollm2_tokenizer)
+    recipe = {"eagle3": "smollm2-135m-eagle3", "medusa": "smollm2-135m-medusa"}[kind]
+    cfg = load_config(recipe_path(recipe), [f"model.target={target}", f"data.sources=[{prompts}]",
+                                            f"run.output_dir={tmp_path / 'run'}", *TINY])
+    checked = check_train_config(cfg.train)
+    check_target_config(cfg, checked)
+    check_target_served(cfg, checked)
+    run_distill(cfg, Accelerator(cpu=True))
+    reset_accelerate()
+    train_draft(cfg, Accelerator(cpu=True))
+    exported = export_draft(cfg, cfg.eval.k)
+    result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
+    assert result.tau_ours > 1.2, result.tau_ours  # drafts accepted, so agreement means something
+    assert result.ok, (result.tau_ours, result.tau_engine, result.failures)
+    assert result.identical_engine_texts == result.prompts == 3
