@@ -127,6 +127,10 @@ def cell(arch: str, kind: str, engine: str, target: Path, data: Path, root: Path
                                             "identical_to_our_engine", "prompts", "k")}}
 
 
+def _architecture(target: Path) -> str:
+    return json.loads((target / "config.json").read_text())["architectures"][0]
+
+
 def results_file(root: Path) -> Path:
     return root / "matrix.json"
 
@@ -177,28 +181,33 @@ def main() -> None:
     from recipe import load_config
     from serving.engines import make_engine
 
-    for arch in args.architectures.split(","):
-        target = build_target(arch, root)
-        data, error = None, ""
-        for kind in args.kinds.split(","):
+    targets, data, errors = {}, {}, {}
+    for kind in args.kinds.split(","):  # kind by kind, so a cut-short run covers whole kinds
+        recipe, extra = KINDS[kind]
+        checked = check_train_config(load_config(ROOT / "configs" / f"{recipe}.yaml",
+                                                 extra).train)
+        for arch in args.architectures.split(","):
             for engine in args.engines.split(","):
                 path = cells_dir / f"{arch}-{kind}-{engine}.json"
                 if path.is_file():
                     continue
                 start = time.time()
-                recipe, extra = KINDS[kind]
-                kind_ = check_train_config(load_config(ROOT / "configs" / f"{recipe}.yaml",
-                                                       extra).train)
-                why = make_engine(engine).why_not(kind_)
+                if arch not in targets:
+                    targets[arch] = build_target(arch, root)
+                engine_ = make_engine(engine)
+                why = engine_.why_not(checked) or (  # llama.cpp's converter answers itself
+                    engine_.why_not_target(checked, _architecture(targets[arch]))
+                    if engine == "vllm" else None)
                 if why:
                     result = dict(architecture=arch, kind=kind, engine=engine, status="refused",
                                   reason=why)
                 else:
-                    if data is None and not error:
-                        data, error = stage1(arch, target, root)
-                    result = (cell(arch, kind, engine, target, data, root) if data else
-                              dict(architecture=arch, kind=kind, engine=engine, status="failed",
-                                   reason=error))
+                    if arch not in data:
+                        data[arch], errors[arch] = stage1(arch, targets[arch], root)
+                    result = (cell(arch, kind, engine, targets[arch], data[arch], root)
+                              if data[arch] else dict(architecture=arch, kind=kind,
+                                                      engine=engine, status="failed",
+                                                      reason=errors[arch]))
                 result["seconds"] = round(time.time() - start, 1)
                 path.write_text(json.dumps(result, indent=2) + "\n")
                 print(f"[matrix] {arch} x {kind} x {engine}: {result['status']} "
