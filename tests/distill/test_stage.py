@@ -30,6 +30,7 @@ def _args(tiny_target, prompts, out, *extra):
             "--stage", "distill", f"model.target={tiny_target}", f"data.sources=[{prompts}]",
             f"run.output_dir={out}", "data.max_prompts=null", "data.held_out_fraction=0.25",
             "data.max_prompt_tokens=null", "generation.max_new_tokens=6", "generation.backend=hf",
+            "train.draft=layer-truncated:1",
             *extra]
 
 
