@@ -265,8 +265,15 @@ class Independent:
         parse_spec(cfg.draft)
 
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
+        from assets.published import target_facts
+
         kind, layers, _ = parse_spec(cfg.draft)
-        depth = target_config["num_hidden_layers"]
+        depth, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
+        draft = target_facts(cfg.draft) if kind == "pretrained" else None
+        if draft is not None and draft.vocab != vocab:
+            raise ConfigError(f"train.draft={cfg.draft!r} predicts {draft.vocab} tokens, the "
+                              f"target {vocab}: a draft must use the target's tokenizer; pick "
+                              "one of the target's family, or train.draft=layer-truncated:<n>.")
         if kind == "layer-truncated" and layers >= depth:
             raise ConfigError(f"train.draft={cfg.draft!r} keeps {layers} of the target's {depth} "
                               f"layers: a draft is cheaper only with fewer, e.g. "

@@ -90,3 +90,14 @@ def test_a_kind_vllm_cannot_serve_for_the_architecture_is_refused_with_the_list(
         check_target_served(cfg, check_train_config(cfg.train))
     served = load_config(None, [f"model.target={tmp_path}", "train.draft=medusa:4x1"])
     check_target_served(served, check_train_config(served.train))
+
+
+def test_an_independent_draft_with_another_vocabulary_size_is_refused_at_config_load(tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], '
+                                       '"num_hidden_layers": 28, "vocab_size": 151936}')
+    cfg = load_config(ROOT / "configs" / "smollm2-135m-independent.yaml", [
+        "model.target=meta-llama/Llama-3.1-8B-Instruct", f"train.draft={draft}"])
+    with pytest.raises(ConfigError, match="predicts 151936 tokens, the target 128256"):
+        check_target_config(cfg, check_train_config(cfg.train))
