@@ -17,6 +17,7 @@ a run, not promises; the stage's own log prints the real rate within minutes.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ DEVICES = {d.name: d for d in [
     Device("h200", 141, 989, 4.8),
     Device("a100-80gb", 80, 312, 2.04),
     Device("l40s", 48, 362, 0.86),
-    Device("cpu", 24, 0, 0),
+    Device("cpu", 0, 0, 0),  # memory: this machine's RAM, shared by its processes
 ]}
 
 # named assumptions (GPU) and measured figures (CPU); docs/planning.md explains each
@@ -80,7 +81,8 @@ class Accelerate:
     """What the plan reads from an accelerate config file."""
 
     processes: int = 1
-    machines: int = 1
+    """All processes, over every machine (accelerate's num_processes)."""
+    cpu: bool = True
     sharding: str = "none"
     """'none' (DDP or one process), 'zero2', 'zero3' or 'fsdp'."""
     source: str = "one process (no accelerate config)"
@@ -97,8 +99,9 @@ def read_accelerate(path: str | None) -> Accelerate:
     kind = raw.get("distributed_type", "NO")
     zero = (raw.get("deepspeed_config") or {}).get("zero_stage", 0)
     sharding = {"FSDP": "fsdp"}.get(kind) or {2: "zero2", 3: "zero3"}.get(zero, "none")
-    return Accelerate(int(raw.get("num_processes", 1)), int(raw.get("num_machines", 1)),
-                      sharding, str(file))
+    # ddp-cpu.yaml keeps use_cpu false (accelerate's MULTI_GPU falls back to gloo on CPU)
+    cpu = bool(raw.get("use_cpu", False)) or file.stem.endswith("cpu")
+    return Accelerate(int(raw.get("num_processes", 1)), cpu, sharding, str(file))
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Plan:
             f"target {self.target.name} ({self.target.architecture}, {total / 1e9:.2f}B "
             f"parameters, {active / 1e9:.2f}B per token; config from {self.target.source})",
             f"devices: {self.accelerate.processes} x {self.device.name} "
-            f"({self.device.memory_gib:g} GiB) from {self.accelerate.source}; sharding "
+            f"({self.device.memory_gib:g} GiB each) from {self.accelerate.source}; sharding "
             f"{self.accelerate.sharding}; {self.free_disk / GIB:,.0f} GiB free at {self.where}",
             "",
             "| stage | tokens | disk | peak memory per device | time | basis |",
@@ -224,9 +227,11 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
     kind = check_train_config(cfg.train)
     check_target_config(cfg, kind)
     acc = read_accelerate(accelerate_config)
-    cpu = accelerate_config is None or "cpu" in Path(accelerate_config).stem
-    dev = DEVICES[device or ("cpu" if cpu else "h100-80gb")]
-    processes = acc.processes * (acc.machines if acc.processes < 2 else 1)
+    dev = DEVICES[device or ("cpu" if acc.cpu else "h100-80gb")]
+    processes = acc.processes
+    if dev.name == "cpu":
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        dev = Device("cpu", round(ram / processes / GIB, 1), 0, 0)
     capacity = int(dev.memory_gib * GIB)
     problems: list[str] = []
     dtype = dtype_bytes(cfg.model.dtype)
@@ -319,7 +324,7 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
             fixes.append("ZeRO-2/3 (configs/accelerate/deepspeed-zero3.yaml) to shard the "
                          "draft's optimizer states")
         if memory["target"] > 0.5 * capacity:
-            fixes.append("GPUs with more memory (the frozen target is whole on each one)")
+            fixes.append("devices with more memory (the frozen target is whole on each one)")
         fixes.append("more GPUs do not lower it: each holds the target and one micro-batch")
         problems.append(f"train: {stage2.peak / GIB:.1f} GiB per device over "
                         f"{dev.memory_gib:g} GiB: " + "; ".join(fixes) + ".")

@@ -42,7 +42,7 @@ def test_a_plan_that_cannot_fit_is_refused_naming_the_fixes(tmp_path):
     problems = make_plan(moe, DDP, "l40s").problems
     assert any(p.startswith("distill: the target's weights (56.9 GiB per GPU)") and
                "vllm_tensor_parallel_size" in p for p in problems)
-    assert any(p.startswith("train:") and "GPUs with more memory" in p for p in problems)
+    assert any(p.startswith("train:") and "devices with more memory" in p for p in problems)
     dump = load_config(ROOT / "configs" / "llama-3.1-8b-instruct-eagle3.yaml",
                        [f"run.output_dir={tmp_path}", "train.target_features=offline",
                         "train.micro_batch_size=8"])
