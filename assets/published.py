@@ -150,15 +150,6 @@ def target_facts(target: str) -> TargetFacts | None:
     return None
 
 
-def target_architecture(target: str) -> str | None:
-    """architectures[0] of the target's config (the embedded SmolLM2 is a Llama), or None when
-    no local copy nor published value knows it (a hub id never downloaded)."""
-    if target.startswith("embedded:"):
-        return "LlamaForCausalLM"
-    facts = target_facts(target)
-    return facts.architecture if facts is not None and facts.config.get("architectures") else None
-
-
 def _text_config(path: Path) -> dict:
     config = json.loads(path.read_text())
     return {**config.get("text_config", {}), **{k: v for k, v in config.items()

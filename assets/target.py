@@ -220,6 +220,18 @@ def vllm_cpu_environment(cache: str) -> dict:
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
 
 
+def vllm_engine_options(target_path: str, dtype: str) -> dict:
+    """Engine arguments vLLM needs for this target on a CPU besides model and dtype: an MLA
+    target (DeepSeek-V2/V3, Kimi-K2) in float32 takes vLLM's reference CPU_MLA backend, since
+    the AMX one it prefers where AMX exists refuses fp32 weights ("expect weight to be bfloat16,
+    float16, int8, fp8_e4m3 or uint8")."""
+    config = Path(target_path) / "config.json"
+    if dtype != "float32" or not config.is_file():
+        return {}
+    mla = json.loads(config.read_text()).get("kv_lora_rank")
+    return {"attention_backend": "CPU_MLA"} if mla else {}
+
+
 CPU_GQA_ATTENTION = "sdpa_gqa"
 
 
@@ -251,11 +263,18 @@ def load_target(target: ResolvedTarget, dtype: str, device: torch.device):
     """The frozen target in evaluation mode on `device`."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {}
+    kwargs = {"revision": target.revision, "dtype": getattr(torch, dtype)}
     if device.type == "cpu":
         _register_cpu_attention()
-        kwargs["attn_implementation"] = CPU_GQA_ATTENTION
-    model = AutoModelForCausalLM.from_pretrained(target.path, revision=target.revision,
-                                                 dtype=getattr(torch, dtype), **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                target.path, attn_implementation=CPU_GQA_ATTENTION, **kwargs)
+        except ValueError as e:  # gpt-oss: attention sinks, which SDPA has no input for
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(target.path, attn_implementation="eager",
+                                                         **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(target.path, **kwargs)
     model.requires_grad_(False)
     return model.eval().to(device)

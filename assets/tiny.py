@@ -78,7 +78,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
         kv_lora_rank=512, q_lora_rank=64, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, head_dim=64, num_key_value_heads=HEADS, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64, n_group=1,
-        topk_group=1, first_k_dense_replace=1, rope_interleave=True,
+        topk_group=1, first_k_dense_replace=1, rope_interleave=True, topk_method="noaux_tc",
+        scoring_func="sigmoid",  # as DeepSeek-V3's config.json: vLLM then loads the gate's bias
+        num_nextn_predict_layers=0,  # no MTP layer (transformers saves none; vLLM would look)
         rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
         "DeepSeek-V3 / R1, Kimi-K2 (MLA attention, routed experts)"),
 ]}

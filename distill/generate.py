@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from assets.target import cpu_has_native_bf16, end_of_turn_ids, load_target, vllm_cpu_environment
+from assets.target import (
+    cpu_has_native_bf16,
+    end_of_turn_ids,
+    load_target,
+    vllm_cpu_environment,
+    vllm_engine_options,
+)
 from decoding.hf import Reply, generate_replies
 from recipe import ConfigError, GenerationConfig, cache_root
 
@@ -80,7 +86,9 @@ class VLLMGenerator:
         self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
                        dtype=dtype, seed=0, max_model_len=max_model_len,
                        enforce_eager=gen.vllm_enforce_eager,
-                       tensor_parallel_size=gen.vllm_tensor_parallel_size)
+                       tensor_parallel_size=gen.vllm_tensor_parallel_size,
+                       **(vllm_engine_options(target.path, dtype) if device.type == "cpu"
+                          else {}))
 
     def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         from vllm import SamplingParams

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from assets.published import target_architecture
+from assets.published import target_facts
 from drafts import DraftKind
 from recipe import Config, ConfigError
 from serving.engines.base import Counters, EngineRun, Export, Exported, ServingEngine
@@ -39,9 +39,11 @@ def check_target_served(cfg: Config, kind: DraftKind) -> None:
     """Refuse, at config load, a draft kind that vLLM cannot serve for the target's
     architecture (read without downloading: local folder, HF cache or assets/published.py; a
     target none of them knows is checked when its export is validated)."""
-    architecture = target_architecture(cfg.model.target)
-    if architecture is not None and (why := VLLM().why_not_target(kind, architecture)):
-        raise ConfigError(f"model.target={cfg.model.target!r} is a {architecture}, and "
+    if cfg.model.target.startswith("embedded:"):
+        return  # a Llama: every kind is served
+    facts = target_facts(cfg.model.target)
+    if facts is not None and (why := VLLM().why_not_target(kind, facts.config)):
+        raise ConfigError(f"model.target={cfg.model.target!r} is a {facts.architecture}, and "
                           f"train.draft={cfg.train.draft!r}: {why}")
 
 

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from assets.target import resolve_target, vllm_cpu_environment
+from assets.target import resolve_target, vllm_cpu_environment, vllm_engine_options
 from drafts import DraftKind, kind_of
 from recipe import Config, ConfigError, DecodeSettings, cache_root
 from runfolder import eval_report_of, run_folder
@@ -66,6 +66,21 @@ EAGLE3_TARGETS = (
 SupportsEagle3 (tests/serving/test_vllm_architectures.py recomputes it from the installed vLLM).
 Gemma 2/3, Mixtral, Qwen2-MoE, GLM-4 and Cohere are among those that do not."""
 
+ATTENTION_HEADS = ("eagle3", "dflash")
+"""Kinds whose draft layers use standard attention whatever the target's (vLLM's drafts of the
+target's own architecture, independent and PARD, attend as the target does)."""
+
+
+MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+"""Draft model types vLLM 0.32 turns into its DeepSeek MTP module, whatever the method."""
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 CONFIG_NAME = "vllm_speculative_config.json"
 
 CPU_NOTE = ("On vLLM for CPU (`vllm-cpu` 0.32) sampled requests (T > 0) are verified at "
@@ -96,6 +111,16 @@ def vllm_version() -> str:
         return version("vllm-cpu")
 
 
+def root_cause(stderr: str) -> str:
+    """The first exception line vLLM's worker or engine process logged (the error its parent
+    reports is a generic "Engine core initialization failed")."""
+    for line in stderr.splitlines():
+        text = line.split("] ", 1)[-1].strip()
+        if " ERROR " in line and text.split(":")[0].endswith(("Error", "Exception")):
+            return text
+    return "see its log below"
+
+
 def run_worker(request: dict, cache: Path) -> dict:
     """serving/engines/vllm_worker.py in a subprocess (vLLM spawns workers; it needs its own
     __main__)."""
@@ -114,7 +139,8 @@ def run_worker(request: dict, cache: Path) -> dict:
                               capture_output=True, text=True, cwd=Path(__file__).parents[2],
                               check=False)
         if done.returncode != 0 or not result_path.is_file():
-            raise RuntimeError(f"vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {root_cause(done.stdout + done.stderr)}"
+                               f"\n{done.stderr[-3000:]}")
         return json.loads(result_path.read_text())
 
 
@@ -174,15 +200,33 @@ class VLLM:
             return f"vLLM 0.32 has no speculative method for {kind.description}."
         return None
 
-    def why_not_target(self, kind: DraftKind, architecture: str) -> str | None:
-        """None when vLLM serves `kind` for a target of `architecture` (its config.json's
-        architectures[0]), else the reason with what it does serve."""
+    def why_not_target(self, kind: DraftKind, target_config: dict) -> str | None:
+        """None when vLLM serves `kind` for a target of this config.json here, else the reason
+        with what it does serve."""
+        architecture = (target_config.get("architectures") or ["?"])[0]
         if kind.name in AUX_HIDDEN_STATE_KINDS and architecture not in EAGLE3_TARGETS:
             return (f"vLLM 0.32 serves {kind.description} only for targets that expose their "
                     f"intermediate layers (its SupportsEagle3 interface), and {architecture} "
                     f"does not. Supported: {', '.join(EAGLE3_TARGETS)}. For this target train "
                     "a Medusa head (train.draft=medusa:4x1), an independent draft or a PARD "
                     "draft, which vLLM serves for any architecture it runs.")
+        if (kind.name in ("independent", "pard")
+                and target_config.get("model_type") in MTP_MODEL_TYPES):
+            return (f"vLLM 0.32 reads every draft of model_type "
+                    f"{target_config['model_type']!r} as DeepSeek's multi-token-prediction "
+                    "module (SpeculativeConfig.hf_config_override), so a draft of the target's "
+                    "own architecture is loaded as MTP layers it does not have (\"MTP "
+                    "speculative decoding layer ... weights missing from checkpoint\"). Train "
+                    "a Medusa head, or serve the target's own MTP layers (method 'mtp').")
+        if (kind.name in ATTENTION_HEADS and target_config.get("kv_lora_rank")
+                and not gpu_available()):
+            return (f"vLLM for CPU cannot serve {kind.description} beside an MLA target "
+                    f"({architecture}): the target's CPU_MLA attention pages its KV cache in "
+                    "blocks of 16 tokens and the draft's CPU attention in multiples of 32, and "
+                    "the engine stops with \"No common block size for 128 (CPU_MLA: [16]; "
+                    "CPU_ATTN: [MultipleOf(32)])\". On a GPU vLLM serves it; on a CPU train a "
+                    "Medusa head, or an independent or PARD draft of the target's own "
+                    "architecture (MLA too).")
         return None
 
     def export(self, cfg: Config, draft_folder: Path, kind: DraftKind, k: int, fmt: str = "vllm",
@@ -230,7 +274,8 @@ class VLLM:
             settings: DecodeSettings, eos: set[int], with_draft: bool) -> EngineRun:
         request = {"target": target_path, "dtype": "float32", "prompts": prompts,
                    "max_new_tokens": settings.max_new_tokens, "stop_token_ids": sorted(eos),
-                   "enforce_eager": self.enforce_eager}
+                   "enforce_eager": self.enforce_eager,
+                   "engine_options": vllm_engine_options(target_path, "float32")}
         if settings.temperature > 0:
             request.update(temperature=settings.temperature, top_p=settings.top_p,
                            top_k=settings.top_k, seed=cfg.run.seed,

@@ -4,6 +4,7 @@
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
+"engine_options" (more LLM arguments, assets.target.vllm_engine_options),
 optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i) and
 "fix_cpu_expand" (below)}.
 Each run starts one vLLM engine (all prompts batched), then frees it. vLLM starts its workers
@@ -99,6 +100,7 @@ def run(request: dict) -> dict:
                   speculative_config=speculative, disable_log_stats=False,
                   max_model_len=request.get("max_model_len", 2048),
                   enforce_eager=request.get("enforce_eager", False),
+                  **request.get("engine_options", {}),
                   **({"distributed_executor_backend": "uni"} if fixed else {}))
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -33,7 +33,7 @@ def test_a_real_recipe_fits_its_targets_published_config(recipe):
     kind = check_train_config(cfg.train)
     check_target_config(cfg, kind)  # aux layers in range, draft vocabulary, k per step
     check_target_served(cfg, kind)
-    assert VLLM().why_not_target(kind, facts.architecture) is None
+    assert VLLM().why_not_target(kind, facts.config) is None
     if cfg.train.draft_vocab_size is not None:
         assert cfg.train.draft_vocab_size < facts.vocab
     if kind.name == "dflash":
@@ -101,3 +101,24 @@ def test_an_independent_draft_with_another_vocabulary_size_is_refused_at_config_
         "model.target=meta-llama/Llama-3.1-8B-Instruct", f"train.draft={draft}"])
     with pytest.raises(ConfigError, match="predicts 151936 tokens, the target 128256"):
         check_target_config(cfg, check_train_config(cfg.train))
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash:2"])
+def test_an_attention_draft_beside_an_mla_target_is_refused_on_a_cpu_only(tmp_path, draft,
+                                                                         monkeypatch):
+    import serving.engines.vllm as vllm_engine
+
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"], '
+                                          '"model_type": "deepseek_v3", "vocab_size": 129280, '
+                                          '"num_hidden_layers": 61, "kv_lora_rank": 512}')
+    cfg = load_config(None, [f"model.target={tmp_path}", f"train.draft={draft}"])
+    monkeypatch.setattr(vllm_engine, "gpu_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"vLLM for CPU cannot serve .* \"No common block size"):
+        check_target_served(cfg, check_train_config(cfg.train))
+    medusa = load_config(None, [f"model.target={tmp_path}", "train.draft=medusa:4x1"])
+    check_target_served(medusa, check_train_config(medusa.train))
+    own = load_config(None, [f"model.target={tmp_path}", "train.draft=layer-truncated:4"])
+    with pytest.raises(ConfigError, match="as DeepSeek's multi-token-prediction module"):
+        check_target_served(own, check_train_config(own.train))
+    monkeypatch.setattr(vllm_engine, "gpu_available", lambda: True)
+    check_target_served(cfg, check_train_config(cfg.train))
