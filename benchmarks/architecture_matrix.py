@@ -3,6 +3,7 @@ user runs it, written into docs/architectures.md.
 
     .venv/bin/python -m benchmarks.architecture_matrix [--architectures llama3,qwen3]
         [--kinds eagle3,independent] [--engines vllm,llamacpp] [--root DIR] [--write-docs]
+        [--no-run]
 
 For each architecture of assets/tiny.py a tiny random-weight target is built (no downloads), and
 stage 1 runs in vLLM (`distill.py --stage distill`, generation.backend=vllm). For each kind the
@@ -58,7 +59,7 @@ def run(argv: list[str], log: Path) -> tuple[int, str]:
     lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("error:", "config error:", "training stopped"))
               or "Error" in ln.split(":")[0]]
-    return code, (errors or lines or [""])[-1].strip()[:400]
+    return code, (errors or lines or [""])[-1].strip()[:800]
 
 
 def build_target(arch: str, root: Path) -> Path:
@@ -142,14 +143,15 @@ def results_file(root: Path) -> Path:
 
 
 def table(cells: list[dict], commit: str, cpu: str) -> str:
-    """The matrix as Markdown: one row per architecture x kind, one column per engine."""
+    """The matrix as Markdown: one row per architecture x kind, one column per engine; each
+    refusal or failure is a numbered note under the table, word for word."""
     from assets.tiny import ARCHITECTURES
 
     engines = sorted({c["engine"] for c in cells}, key=["vllm", "llamacpp"].index)
     head = ["| architecture | kind | " + " | ".join(
-        {"vllm": "vLLM 0.32 (tau ours / vLLM)", "llamacpp": "llama.cpp (tau ours / llama.cpp)"}[e]
+        {"vllm": "vLLM 0.32: tau ours / vLLM", "llamacpp": "llama.cpp: tau ours / llama.cpp"}[e]
         for e in engines) + " |", "|---|---|" + "---|" * len(engines)]
-    rows = []
+    rows, notes = [], []
     by = {(c["architecture"], c["kind"], c["engine"]): c for c in cells}
     for arch in [a for a in ARCHITECTURES if any(c["architecture"] == a for c in cells)]:
         for kind in [k for k in KINDS if any((arch, k, e) in by for e in engines)]:
@@ -158,14 +160,26 @@ def table(cells: list[dict], commit: str, cpu: str) -> str:
                 c = by.get((arch, kind, e))
                 if c is None:
                     entries.append("not run")
-                elif c["status"] == "validated":
-                    entries.append(f"validated: {c['tau_ours']:.3f} / {c['tau_engine']:.3f}, "
-                                   f"texts {c['identical_engine_texts']}/{c['prompts']}")
+                    continue
+                text = ""
+                if c["status"] == "validated" or "tau_ours" in c:
+                    text = (f"{c['tau_ours']:.3f} / {c['tau_engine']:.3f}, texts "
+                            f"{c['identical_engine_texts']}/{c['prompts']}")
+                if c["status"] != "validated":
+                    reason = _short(c["reason"])
+                    if reason not in notes:
+                        notes.append(reason)
+                    text = f"{text}; " if text else ""
+                    text = f"**{c['status']}** ({notes.index(reason) + 1})" + (
+                        f": {text.rstrip('; ')}" if text else "")
                 else:
-                    entries.append(f"{c['status']}: {_short(c['reason'])}".replace("|", "\\|"))
+                    text = f"validated: {text}"
+                entries.append(text)
             rows.append(f"| {arch} | {kind} | " + " | ".join(entries) + " |")
-    return "\n".join([f"Commit {commit}, {cpu}; `python -m benchmarks.architecture_matrix "
-                      "--write-docs`.", "", *head, *rows])
+    listed = [f"{i}. {n}".replace("|", "\\|") for i, n in enumerate(notes, 1)]
+    return "\n".join([f"Table written at commit {commit} on {cpu}: `python -m "
+                      "benchmarks.architecture_matrix --write-docs`.", "", *head, *rows, "",
+                      *listed])
 
 
 def main() -> None:
@@ -179,6 +193,8 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=None)
     parser.add_argument("--write-docs", action="store_true",
                         help="write the table into docs/architectures.md")
+    parser.add_argument("--no-run", action="store_true",
+                        help="only print (and with --write-docs write) the finished cells")
     args = parser.parse_args()
     root = (args.root or cache_root() / "architecture-matrix").resolve()
     cells_dir = root / "cells"
@@ -188,7 +204,7 @@ def main() -> None:
     from serving.engines import make_engine
 
     targets, data, errors = {}, {}, {}
-    for kind in args.kinds.split(","):  # kind by kind, so a cut-short run covers whole kinds
+    for kind in [] if args.no_run else args.kinds.split(","):  # kind by kind
         recipe, extra = KINDS[kind]
         checked = check_train_config(load_config(ROOT / "configs" / f"{recipe}.yaml",
                                                  extra).train)
