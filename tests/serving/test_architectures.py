@@ -60,6 +60,6 @@ def test_vllm_serves_a_draft_for_a_target_of_this_architecture_as_our_engine_doe
     train_draft(cfg, Accelerator(cpu=True))
     exported = export_draft(cfg, cfg.eval.k)
     result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
-    assert result.tau_ours > 1.2, result.tau_ours  # drafts accepted, so agreement means something
+    assert result.tau_ours > 1.1, result.tau_ours  # drafts accepted, so agreement means something
     assert result.ok, (result.tau_ours, result.tau_engine, result.failures)
     assert result.identical_engine_texts == result.prompts == 3
