@@ -182,7 +182,7 @@ def test_trackers_write_offline(tiny_run, tracker):
 KILLED_RUNS = {  # every path whose state a checkpoint must carry
     "independent": (),
     "on-policy": ("train.on_policy_fraction=0.5", "train.on_policy_max_new_tokens=8"),
-    "medusa": ("train.draft=medusa:3", "train.loss=fkl"),
+    "medusa": ("train.draft=medusa:3", "train.loss=fkl", "eval.k=3"),  # k <= heads
     "eagle3-online": EAGLE3,
     "eagle3-offline": (*EAGLE3, "train.target_features=offline"),
     "lora": ("train.lora_rank=4", "train.loss=fkl"),
@@ -221,7 +221,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
                *[f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}"
                  for section, values in cfg.to_dict().items() for key, value in values.items()
-                 if section in ("run", "model", "train") and value is not None]]
+                 if section in ("run", "model", "train", "eval") and value is not None]]
     process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     checkpoints = killed / "train" / "checkpoints"
