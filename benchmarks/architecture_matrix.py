@@ -77,7 +77,7 @@ def stage1(arch: str, target: Path, root: Path) -> tuple[Path | None, str]:
     if (out / "manifest.json").is_file() and json.loads(
             (out / "manifest.json").read_text()).get("complete"):
         return out, ""
-    recipe, extra = KINDS["independent"]  # served for every architecture; same data section
+    recipe, extra = KINDS["medusa"]  # vLLM serves Medusa for every architecture; same data
     code, last = run(["distill.py", "--config", f"configs/{recipe}.yaml", "--stage", "distill",
                       f"model.target={target}", f"run.output_dir={out}", *SHARED, *extra],
                      root / "logs" / f"{arch}-stage1.log")
