@@ -71,6 +71,19 @@ HISTORY_REWRITTEN = {"Qwen/Qwen3-8B", "Qwen/Qwen3-30B-A3B", "openai/gpt-oss-20b"
 conversation is not a growing prefix: their recipes regenerate one user turn (data.max_turns=1)."""
 
 
+def layer_parameters(config: dict, hidden: int | None = None, input_width: int | None = None,
+                     intermediate: int | None = None) -> int:
+    """One dense decoder layer shaped like config's (attention over input_width, a gated MLP of
+    `intermediate`, 0 for attention alone; norms are rounding): a target's layer, or a draft
+    layer built from the target's config."""
+    h = hidden or config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    mlp = intermediate if intermediate is not None else config.get("intermediate_size") or 4 * h
+    return (input_width or h) * d * (heads + 2 * kv) + heads * d * h + 3 * h * mlp
+
+
 @dataclass(frozen=True)
 class TargetFacts:
     """What the checks and the plan know about a target, and where it came from."""
@@ -113,8 +126,7 @@ class TargetFacts:
         lookup)."""
         c = self.config
         h, v, layers = self.hidden, self.vocab, self.layers
-        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
-        attention = h * self.head_dim * (heads + 2 * kv) + heads * self.head_dim * h
+        attention = layer_parameters(c, intermediate=0)
         embeddings = v * h * (1 if c.get("tie_word_embeddings") else 2)
         if self.experts:
             expert = 3 * h * (c.get("moe_intermediate_size") or c["intermediate_size"])
@@ -122,7 +134,7 @@ class TargetFacts:
             total = layers * (attention + self.experts * expert + h * self.experts)
             active = layers * (attention + chosen * expert + h * self.experts)
         else:
-            total = active = layers * (attention + 3 * h * c["intermediate_size"])
+            total = active = layers * layer_parameters(c)
         return total + embeddings, active + v * h
 
 

@@ -14,11 +14,12 @@ import copy
 import torch
 from torch import nn
 
+from assets.published import layer_parameters
 from decoding.kv import CachedLM
 from decoding.speculative import sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
-from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden, layer_parameters
+from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
 from recipe import ConfigError, TrainConfig
 
 # --- initial drafts --------------------------------------------------------------------------
@@ -294,9 +295,8 @@ class Independent:
         facts = TargetFacts("target", target_config, "")
         h, v = hidden or facts.hidden, facts.vocab
         embeddings = v * h * (1 if target_config.get("tie_word_embeddings") else 2)
-        if kind == "layer-truncated":
-            body = layers * (facts.parameters()[0] - v * facts.hidden * (
-                1 if target_config.get("tie_word_embeddings") else 2)) // facts.layers
+        if kind == "layer-truncated":  # h is the target's: its layers, embeddings aside
+            body = layers * (facts.parameters()[0] - embeddings) // facts.layers
         else:
             body = layers * layer_parameters(target_config, hidden=h, intermediate=4 * h)
         freeze = cfg.freeze_embeddings if cfg.freeze_embeddings is not None else kind != "fresh"

@@ -56,18 +56,6 @@ class LoadedDraft:
     """What max_k counts, for messages (Medusa: 'heads', one token each)."""
 
 
-def layer_parameters(config: dict, hidden: int | None = None, input_width: int | None = None,
-                     intermediate: int | None = None) -> int:
-    """One dense decoder layer shaped like config's (attention over input_width, a gated MLP;
-    norms are rounding): what a draft layer built from the target's config holds."""
-    h = hidden or config["hidden_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    d = config.get("head_dim") or h // heads
-    mlp = intermediate or config.get("intermediate_size") or 4 * h
-    return (input_width or h) * d * (heads + 2 * kv) + heads * d * h + 3 * h * mlp
-
-
 class DraftKind(Protocol):
     name: str
     """Short name (the export folder's)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from assets.published import layer_parameters
 from drafts.dflash.engine import DFlashDraft
 from drafts.dflash.head import (
     DFlashForTraining,
@@ -19,7 +20,7 @@ from drafts.dflash.head import (
 )
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
-from drafts.kind import LoadedDraft, check_blocks, check_feature_noise, layer_parameters
+from drafts.kind import LoadedDraft, check_blocks, check_feature_noise
 from drafts.parallel import check_mask_token, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 

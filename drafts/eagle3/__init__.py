@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from assets.published import layer_parameters
 from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, HeadCache
 from drafts.eagle3.head import (
     IGNORE,
@@ -24,7 +25,7 @@ from drafts.eagle3.head import (
 )
 from drafts.eagle3.training import Eagle3ForTraining, unroll
 from drafts.folders import WEIGHTS_NAME, save_folder
-from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay, layer_parameters
+from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
