@@ -104,6 +104,9 @@ class RequestStats:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_step: list[int] = field(default_factory=list)
+    """Draft tokens accepted at each step, in order (how another engine that trims drafts near
+    max_new_tokens would have counted this request: serving.engines.llamacpp.budgeted)."""
     draft_failures: int = 0
     """1 when the draft produced non-finite logits and the request fell back to plain decoding."""
     accepted_alternative: int = 0
@@ -266,6 +269,7 @@ class Rows:
             s.steps += 1
             s.drafted += outcome.drafted[row]
             s.accepted += n
+            s.accepted_per_step.append(n)
             for position in range(k):
                 s.drafted_per_position[position] += 1
                 s.accepted_per_position[position] += position < n

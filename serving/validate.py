@@ -39,7 +39,7 @@ from decoding.acceptance import (
     summed_counts,
     tau_interval,
 )
-from decoding.engine import decode_prompts
+from decoding.engine import RequestStats, decode_prompts
 from drafts import engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings
 from runfolder import load_eval_prompts, run_folder
@@ -188,12 +188,6 @@ def pooled(requests: list[Counters], k: int) -> tuple[float, list[float], int]:
             total.drafts)
 
 
-def ours_as_counters(stats: list, k: int) -> list[Counters]:
-    """Our engine's per-request stats in an engine's terms (our engine never trims a draft)."""
-    return [Counters(s.steps, s.accepted_per_position[:k], s.drafted_per_position[:k])
-            for s in stats]
-
-
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where two token lists differ (or one ends before the other), else None."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -220,10 +214,11 @@ def _strip(tokens: list[int], stops: set[int]) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stops else tokens
 
 
-def greedy_comparison(exported: Exported, ours: OurRun, spec: EngineRun, plain: EngineRun,
-                      tolerance: float, label: str) -> tuple[dict, list[str]]:
-    """Greedy: tau and alpha_k within tolerance, the engine's texts unchanged by the draft but
-    at numerical ties (judged by our fp32 target's logits) -> (report fields, failures)."""
+def greedy_comparison(exported: Exported, ours: OurRun, mine_all: list[Counters], spec: EngineRun,
+                      plain: EngineRun, tolerance: float, label: str) -> tuple[dict, list[str]]:
+    """Greedy: tau and alpha_k within tolerance (mine_all: our engine's requests as the engine
+    counts them, ServingEngine.our_counters), the engine's texts unchanged by the draft but at
+    numerical ties (judged by our fp32 target's logits) -> (report fields, failures)."""
     k = exported.k
     ties, differences, identical = [], [], 0
     for j, (with_draft, alone) in enumerate(zip(spec.tokens, plain.tokens)):
@@ -240,7 +235,6 @@ def greedy_comparison(exported: Exported, ours: OurRun, spec: EngineRun, plain: 
         (ties if gap < TIE_GAP else differences).append(record)
     same = [j for j, (a, b) in enumerate(zip(spec.tokens, ours.tokens))
             if _strip(a, ours.eos) == _strip(b, ours.eos)]
-    mine_all = ours_as_counters(ours.stats, k)
     if spec.per_prompt is not None:  # where both took the same trajectory, the same counts
         engine = pooled([spec.per_prompt[j] for j in same], k)
         mine = pooled([mine_all[j] for j in same], k)
@@ -258,7 +252,7 @@ def greedy_comparison(exported: Exported, ours: OurRun, spec: EngineRun, plain: 
               "alpha_engine": engine[1], "identical_engine_texts": identical,
               "identical_to_our_engine": len(same)}
     return {**fields, "compared_prompts": same, "numerical_ties": ties, "tie_gap": TIE_GAP,
-            "tau_ours_all_prompts": measured_acceptance(ours.stats)[0]}, failures
+            "tau_ours_all_prompts": pooled(mine_all, k)[0]}, failures
 
 
 def results_path(cfg: Config, engine: ServingEngine) -> Path:
@@ -283,15 +277,19 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
     drafting = as_engine if our_draft_temperature is None else replace(
         as_engine, draft_temperature=our_draft_temperature)
     ours = our_run(cfg, drafting)
+    mine = engine.our_counters(ours.stats, exported.k, settings.max_new_tokens)
     spec = engine.run(cfg, exported, ours.target_path, ours.prompts, settings, ours.eos, True)
     extra = {"temperature": settings.temperature, "top_p": settings.top_p,
              "top_k": settings.top_k, **spec.report}
     plain = None
     if settings.temperature > 0:  # sampled texts are not comparable one by one
-        c = spec.counters
-        fields, failures = sampled_comparison(ours.stats, c.drafts, c.drafted_per_position,
+        c, counted = spec.counters, [
+            RequestStats(steps=m.drafts, accepted=sum(m.accepted_per_position),
+                         drafted_per_position=m.drafted_per_position,
+                         accepted_per_position=m.accepted_per_position) for m in mine]
+        fields, failures = sampled_comparison(counted, c.drafts, c.drafted_per_position,
                                               c.accepted_per_position, engine.label)
-        tau_ours, alpha_ours, _ = measured_acceptance(ours.stats)
+        tau_ours, alpha_ours, _ = measured_acceptance(counted)
         tau_engine, alpha_engine = rates(c.drafts, c.accepted_per_position,
                                          c.drafted_per_position)
         fields.update(tau_ours=tau_ours, tau_engine=tau_engine, alpha_ours=alpha_ours,
@@ -304,7 +302,7 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
     else:
         plain = engine.run(cfg, exported, ours.target_path, ours.prompts, settings, ours.eos,
                            False)
-        fields, failures = greedy_comparison(exported, ours, spec, plain, tolerance,
+        fields, failures = greedy_comparison(exported, ours, mine, spec, plain, tolerance,
                                              engine.label)
     if spec.per_prompt is not None:
         extra["per_prompt"] = [asdict(c) for c in spec.per_prompt]

@@ -67,6 +67,13 @@ def summed(requests: list[Counters], k: int) -> Counters:
                     [sum(r.drafted_per_position[j] for r in requests) for j in range(k)])
 
 
+def as_counters(stats: list, k: int) -> list[Counters]:
+    """Our engine's per-request stats (decoding.engine.RequestStats) as counters, unchanged: an
+    engine that drafts k at every step until max_new_tokens counts them so (vLLM)."""
+    return [Counters(s.steps, s.accepted_per_position[:k], s.drafted_per_position[:k])
+            for s in stats]
+
+
 @dataclass
 class EngineRun:
     """One engine run over the prompts (all of them, one seed per prompt when sampling)."""
@@ -104,6 +111,10 @@ class ServingEngine(Protocol):
 
     def exported(self, cfg: Config, folder: Path | None) -> Exported:
         """The export folder to run (the one given, else the run's single one), checked."""
+
+    def our_counters(self, stats: list, k: int, max_new_tokens: int) -> list[Counters]:
+        """Our engine's per-request stats (decoding.engine.RequestStats) as this engine would
+        have counted the same steps (as_counters where it drafts k at every step)."""
 
     def drafting(self, exported: Exported, settings: DecodeSettings) -> DecodeSettings:
         """Our engine's settings that propose drafts as this engine does for this export

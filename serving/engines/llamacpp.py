@@ -88,18 +88,48 @@ def target_gguf(cfg: Config, outtype: str = "f32", log=print) -> Path:
     return out
 
 
+def from_totals(steps: int, accepted_per_position: list[int], draft_tokens: int,
+                k: int) -> Counters:
+    """A request's counters from llama-server's totals: verification steps, accepted per
+    position, draft tokens. llama-server does not say which positions a trimmed draft lacked;
+    the D tokens a request drafted fewer than steps * k are counted as missing from positions
+    k-D+1..k once each (exact for one trimmed step; every comparison counts both engines by this
+    same rule, see budgeted)."""
+    deficit = steps * k - draft_tokens
+    return Counters(steps, list(accepted_per_position[:k]),
+                    [steps - (1 if steps and j > k - deficit else 0) for j in range(1, k + 1)])
+
+
 def per_request(after: dict, before: dict, k: int) -> Counters:
-    """One request's counters: the difference of llama-server's totals around it. llama.cpp
-    trims a request's last draft to the tokens left (n_predict - generated - 1), our engine
-    never does: a request whose steps drafted D tokens fewer than drafts * k drafted positions
-    k-D+1..k one step less (its last). (Two trimmed steps, possible when little is accepted at
-    the very end, count as one: the difference is at most one step per request.)"""
+    """One request's counters: the difference of llama-server's totals around it."""
     width = len(after["accepted_per_position"])
     old = before["accepted_per_position"] + [0] * (width - len(before["accepted_per_position"]))
-    steps = after["drafts"] - before["drafts"]
-    deficit = steps * k - (after["draft_tokens"] - before["draft_tokens"])
-    return Counters(steps, [a - b for a, b in zip(after["accepted_per_position"], old)][:k],
-                    [steps - (1 if steps and j > k - deficit else 0) for j in range(1, k + 1)])
+    return from_totals(after["drafts"] - before["drafts"],
+                       [a - b for a, b in zip(after["accepted_per_position"], old)],
+                       after["draft_tokens"] - before["draft_tokens"], k)
+
+
+def budgeted(accepted_per_step: list[int], max_new_tokens: int, k: int) -> Counters:
+    """One request of our engine as llama-server would have counted it. llama-server drafts
+    at most n_remaining - 1 tokens (n_predict minus the tokens generated so far, the pending
+    one included; tools/server/server-context.cpp, get_n_draft_max), and with 1 token left
+    decodes it without a draft, a step it does not count; our engine (as vLLM) drafts k at every
+    step and stops the row at max_new_tokens. On the same greedy trajectory a step where ours
+    accepted a of k has llama.cpp accept min(a, D) of its D: the draft's first D proposals are
+    the same, the text the same."""
+    generated, steps, draft_tokens, accepted = 1, 0, 0, [0] * k  # prefill made the first token
+    for a in accepted_per_step:
+        left = max_new_tokens - generated
+        if left <= 1:
+            generated += 1
+            continue
+        drafted = min(k, left - 1)
+        n = min(a, drafted)
+        steps, draft_tokens = steps + 1, draft_tokens + drafted
+        for j in range(n):
+            accepted[j] += 1
+        generated += n + 1
+    return from_totals(steps, accepted, draft_tokens, k)
 
 
 @dataclass
@@ -184,6 +214,9 @@ class LlamaCppEngine:
         check_same_vocabulary(target, draft)
         return Exported(folder, spec["spec_type"], spec["num_speculative_tokens"],
                         {**spec, "target": str(target), "draft": str(draft)})
+
+    def our_counters(self, stats: list, k: int, max_new_tokens: int) -> list[Counters]:
+        return [budgeted(s.accepted_per_step, max_new_tokens, k) for s in stats]
 
     def drafting(self, exported: Exported, settings: DecodeSettings) -> DecodeSettings:
         if self.draft_sampling == "greedy":

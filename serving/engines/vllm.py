@@ -30,6 +30,7 @@ from serving.engines.base import (
     EngineRun,
     Export,
     Exported,
+    as_counters,
     single_export,
     staged,
     target_shape,
@@ -266,6 +267,9 @@ class VLLM:
         kind_of(folder).check_exported(folder)
         return Exported(folder, speculative["method"], speculative["num_speculative_tokens"],
                         speculative)
+
+    def our_counters(self, stats: list, k: int, max_new_tokens: int) -> list[Counters]:
+        return as_counters(stats, k)
 
     def drafting(self, exported: Exported, settings: DecodeSettings) -> DecodeSettings:
         return replace(settings, draft_temperature=draft_temperature(exported.spec))

@@ -19,10 +19,10 @@ from recipe import ConfigError, DecodeSettings
 from runfolder import run_folder
 from serving import engines
 from serving.engines.base import (
-    Counters,
     EngineRun,
     Export,
     Exported,
+    as_counters,
     single_export,
     staged,
     summed,
@@ -60,6 +60,9 @@ class InProcess:
         return Exported(folder, "chain", json.loads((folder / "inprocess.json").read_text())["k"],
                         {})
 
+    def our_counters(self, stats, k, max_new_tokens):
+        return as_counters(stats, k)
+
     def drafting(self, exported, settings):
         return settings
 
@@ -76,8 +79,7 @@ class InProcess:
         run = EngineRun(gen.tokens, max(gen.draft_seconds + gen.verify_seconds, 1e-9))
         if with_draft:
             k = exported.k
-            per_prompt = [Counters(s.steps, s.accepted_per_position[:k],
-                                   s.drafted_per_position[:k]) for s in gen.stats]
+            per_prompt = as_counters(gen.stats, k)
             if self.miscount:
                 for c in per_prompt:
                     c.accepted_per_position[0] = max(c.accepted_per_position[0] - 3, 0)

@@ -143,6 +143,59 @@ def test_llamacpps_trimmed_last_draft_is_not_counted_as_a_rejection():
     assert pooled([request, full], 3)[1] == [8 / 10, 7 / 10, 5 / 9]
 
 
+def _greedy_steps(target, draft, max_new_tokens, k, budget):
+    """Greedy speculative decoding of deterministic next-token functions of the context, with
+    draft lengths given by budget(tokens left) (0: a plain step) -> (accepted per drafting
+    step, draft tokens, generated tokens)."""
+    tokens, accepted, drafted = [target(())], [], 0
+    while len(tokens) < max_new_tokens:
+        d = budget(max_new_tokens - len(tokens))
+        proposal = []
+        for _ in range(d):
+            proposal.append(draft(tuple(tokens + proposal)))
+        n = 0
+        while n < d and proposal[n] == target(tuple(tokens + proposal[:n])):
+            n += 1
+        new = proposal[:n] + [target(tuple(tokens + proposal[:n]))]
+        tokens += new[:max_new_tokens - len(tokens)]
+        if d:
+            accepted.append(n)
+            drafted += d
+    return accepted, drafted, tokens
+
+
+def test_our_steps_are_counted_as_llama_server_counts_them_near_max_new_tokens():
+    """budgeted turns our engine's steps (k drafted at every step, the row cut at
+    max_new_tokens) into llama-server's (at most n_remaining - 1 drafted, none with 1 token
+    left): equal to a llama-server-like loop run on the same target and draft."""
+    import random
+
+    from serving.engines.llamacpp import budgeted, from_totals
+
+    for seed in range(300):
+        rng = random.Random(seed)
+        k, max_new = rng.randint(1, 5), rng.randint(2, 24)
+        agree = rng.random()
+
+        def target(context, salt=seed):
+            return hash((salt, context)) % 5
+
+        def draft(context, salt=seed):
+            true = target(context)
+            return true if random.Random(hash((salt, -1, context))).random() < agree else 5
+
+        ours, _, text = _greedy_steps(target, draft, max_new, k, lambda left: k)
+        theirs, drafted, same = _greedy_steps(target, draft, max_new, k,
+                                              lambda left: max(min(k, left - 1), 0))
+        assert same == text
+        accepted = [sum(a > j for a in theirs) for j in range(k)]
+        assert budgeted(ours, max_new, k) == from_totals(len(theirs), accepted, drafted, k)
+    # by hand: k=3, 8 tokens: 1 + (3+1) + a trimmed 2-token draft, both accepted (+1) = 8
+    assert budgeted([3, 3], 8, 3) == from_totals(2, [2, 2, 1], 5, 3)
+    # a last token decoded without a draft is no step: 1 + 1 + 1 + (last, plain)
+    assert budgeted([0, 0, 2], 4, 2) == from_totals(2, [0, 0], 3, 2)
+
+
 @pytest.mark.parametrize(("values", "dtype", "replace_from", "replace_to"), [
     ([0.7, -1.0, 1.3], torch.float32, -1.0, 1.0),  # temperatures (greedy marked -1 -> 1)
     ([5, 0, 7], torch.int32, 0, 0),  # top-k
