@@ -145,28 +145,40 @@ def run_worker(request: dict, cache: Path) -> dict:
         return json.loads(result_path.read_text())
 
 
-def cached_run(request: dict, speculative: dict | None, cache: Path,
-               run=run_worker) -> tuple[dict, bool]:
+def cached_run(request: dict, speculative: dict | None, cache: Path, run=run_worker,
+               alongside: tuple = ()) -> tuple[dict, bool]:
     """vLLM's run of the target (speculative None) or of the target with an exported draft on
     request's prompts -> (its result, whether it came from the cache). The result depends only
     on the weights, the prompts and the decoding settings (sampled runs: one seed per prompt),
     so it is computed once per vLLM version and reused: re-validating another draft skips the
     target's engine start, a second check on our side skips vLLM's. The key holds each weight
-    file's size and modification time (target and draft), so re-converted weights miss."""
+    file's size and modification time (target and draft), so re-converted weights miss.
+    alongside: other runs (speculative configs, None for the target alone) the caller asks for
+    next; those not cached yet run in the same worker process (one vLLM import, not two)."""
+    wanted = [speculative, *[s for s in alongside if s != speculative]]
+    paths = [_run_path(request, s, cache) for s in wanted]
+    if paths[0].is_file():
+        return json.loads(paths[0].read_text()), True
+    names = ["run", *[f"alongside{i}" for i in range(1, len(wanted))]]
+    missing = {name: s for name, s, path in zip(names, wanted, paths) if not path.is_file()}
+    results = run({**request, "runs": missing}, cache)
+    for name, path in zip(names, paths):
+        if name in missing:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".tmp").write_text(json.dumps(results[name]))
+            path.with_suffix(".tmp").replace(path)
+    return results["run"], False
+
+
+def _run_path(request: dict, speculative: dict | None, cache: Path) -> Path:
+    """Where cached_run keeps the run of request with speculative (None: the target alone)."""
     folders = [request["target"]] + ([speculative["model"]] if speculative else [])
     weights = [sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
                       for f in Path(folder).glob("*.safetensors")) for folder in folders]
     identity = {key: value for key, value in request.items() if key != "runs"}
     key = hashlib.sha256(json.dumps([identity, speculative, weights, vllm_version()],
                                     sort_keys=True).encode()).hexdigest()
-    path = cache / "runs" / f"{key[:32]}.json"
-    if path.is_file():
-        return json.loads(path.read_text()), True
-    result = run({**request, "runs": {"run": speculative}}, cache)["run"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(result))
-    path.with_suffix(".tmp").replace(path)
-    return result, False
+    return cache / "runs" / f"{key[:32]}.json"
 
 
 def draft_temperature(speculative: dict) -> float | None:
@@ -284,8 +296,10 @@ class VLLM:
             request.update(temperature=settings.temperature, top_p=settings.top_p,
                            top_k=settings.top_k, seed=cfg.run.seed,
                            fix_cpu_expand=not self.as_shipped)
+        # greedy validation runs the target alone next: computed in the same vLLM process
+        alongside = (None,) if with_draft and settings.temperature == 0 else ()
         result, reused = cached_run(request, exported.spec if with_draft else None,
-                                    cache_root() / "vllm")
+                                    cache_root() / "vllm", alongside=alongside)
         run = EngineRun(result["tokens"], result["seconds"], reused=reused)
         if with_draft:
             drafts, k = int(result.get("drafts") or 0), exported.k

@@ -7,9 +7,10 @@ REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tok
 "engine_options" (more LLM arguments, assets.target.vllm_engine_options),
 optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i) and
 "fix_cpu_expand" (below)}.
-Each run starts one vLLM engine (all prompts batched), then frees it. vLLM starts its workers
-with spawn, so this module runs as __main__ (serving/engines/vllm.py calls it as a
-subprocess).
+Each run starts one vLLM engine (all prompts batched), then frees it; the engine core runs in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a tiny model's engine starts in ~35 s instead of
+~60 s on 2 CPU cores, its outputs the same). vLLM starts its workers with spawn, so this module
+runs as __main__ (serving/engines/vllm.py calls it as a subprocess).
 RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "accepted",
 "accepted_per_position", "cpu_expand_broken", "cpu_expand_fixed"}}.
 
@@ -75,13 +76,13 @@ def fix_cpu_expand() -> None:
 def run(request: dict) -> dict:
     import os
 
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     broken = fixed = False
     if request.get("temperature", 0.0) > 0:
         broken = cpu_expand_broken()
         if broken and request.get("fix_cpu_expand"):
-            fix_cpu_expand()
+            fix_cpu_expand()  # seen by the engine because it runs in this process
             fixed = not cpu_expand_broken()
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     from vllm import LLM, SamplingParams
 
     temperature = request.get("temperature", 0.0)

@@ -63,6 +63,24 @@ def test_an_engine_run_is_reused_only_for_the_same_weights_prompts_and_settings(
     assert not reused
     _, reused = cached_run(request, None, tmp_path / "cache", fake_vllm)
     assert reused and len(calls) == 7
+    # a greedy validation asks for the target alone alongside: one worker, then a cache hit
+    other = {**request, "max_new_tokens": 12}
+    fake_vllm = _fake_vllm_of_runs(calls)
+    with_draft, reused = cached_run(other, speculative, tmp_path / "cache", fake_vllm,
+                                    alongside=(None,))
+    assert not reused and calls[-1]["runs"] == {"run": speculative, "alongside1": None}
+    alone, reused = cached_run(other, None, tmp_path / "cache", fake_vllm)
+    assert reused and len(calls) == 8 and alone != with_draft
+    _, reused = cached_run(other, speculative, tmp_path / "cache", fake_vllm, alongside=(None,))
+    assert reused and len(calls) == 8
+
+
+def _fake_vllm_of_runs(calls):
+    def fake(request, cache):  # one result per run asked for, each different
+        calls.append(request)
+        return {name: {"tokens": [[len(calls), i]], "seconds": 1.0}
+                for i, name in enumerate(request["runs"])}
+    return fake
 
 
 def _steps_to_counters(steps: list[int], k: int) -> list[int]:
