@@ -117,3 +117,10 @@ def test_a_target_without_a_chat_template_is_refused_naming_the_instruct_variant
     (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(ConfigError, match="has no chat template .* use its chat/instruct variant"):
         load_tokenizer(ResolvedTarget("base", str(tmp_path), None, "x"))
+
+
+def test_the_integration_tier_runs_every_tiny_architecture_in_vllm():
+    from assets.tiny import ARCHITECTURES
+    from tests.serving.test_architectures import CASES
+
+    assert sorted(a for a, _, _ in CASES) == sorted(ARCHITECTURES)

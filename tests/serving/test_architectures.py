@@ -1,12 +1,11 @@
-"""Integration tier: targets of other architectures than the embedded Llama, in real vLLM. For
-each, a tiny random-weight instance (assets/tiny.py) writes stage-1 data, an EAGLE-3 head (the
-kind the recipes train) is trained on it, exported, and validated greedy in vLLM: same tau and
-alpha_k as our engine, texts unchanged, drafts accepted. Here the two architectures least like
-the embedded Llama that vLLM for CPU serves exactly: routed experts (Qwen3-MoE), and attention
-sinks with sliding layers and experts (gpt-oss). The whole matrix (every architecture x kind x
-engine, stage 1 in vLLM, DeepSeek-V3's MLA among them) is `python -m
-benchmarks.architecture_matrix`'s job (docs/architectures.md); the refusals it found are in
-tests/recipe/test_real_recipes.py."""
+"""Integration tier: targets of every architecture of assets/tiny.py, in real vLLM, one draft
+kind each. For each, a tiny random-weight instance writes stage-1 data, a draft is trained on
+it, exported, and validated greedy in vLLM: same tau and alpha_k as our engine, texts
+unchanged, drafts accepted. The kind is the one the real recipes train, EAGLE-3, where vLLM
+serves it for the architecture, else Medusa (Gemma-3: no SupportsEagle3; DeepSeek-V3: its MLA
+cache pages do not fit an EAGLE-3 head's on CPU). The whole matrix (every architecture x kind
+x engine, stage 1 in vLLM) is `python -m benchmarks.architecture_matrix`'s job
+(docs/architectures.md); the refusals it found are in tests/recipe/test_real_recipes.py."""
 
 from __future__ import annotations
 
@@ -17,8 +16,14 @@ from tests.helpers import chat_records, recipe_path, reset_accelerate, write_jso
 
 pytestmark = pytest.mark.integration
 
-CASES = [("qwen3-moe", "eagle3", []),
-         ("gpt-oss", "eagle3", ["train.max_steps=120"])]  # its varied text takes longer to fit
+CASES = [("llama3", "eagle3", []),
+         ("qwen2.5", "eagle3", []),
+         ("qwen3", "eagle3", []),
+         ("qwen3-moe", "eagle3", []),
+         ("mistral", "eagle3", []),
+         ("gemma3", "medusa", []),
+         ("gpt-oss", "eagle3", ["train.max_steps=120"]),  # its varied text takes longer to fit
+         ("deepseek-v3", "medusa", [])]
 TINY = ["data.max_prompts=null", "data.max_prompt_tokens=null", "data.held_out_fraction=0.1",
         "generation.max_new_tokens=32", "generation.backend=hf", "train.max_steps=40",
         "train.save_every=40", "train.eval_every=40", "train.micro_batch_size=4",
