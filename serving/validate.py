@@ -252,6 +252,7 @@ def greedy_comparison(exported: Exported, ours: OurRun, mine_all: list[Counters]
               "alpha_engine": engine[1], "identical_engine_texts": identical,
               "identical_to_our_engine": len(same)}
     return {**fields, "compared_prompts": same, "numerical_ties": ties, "tie_gap": TIE_GAP,
+            "text_differences": [d for d in differences if isinstance(d, dict)],
             "tau_ours_all_prompts": pooled(mine_all, k)[0]}, failures
 
 
