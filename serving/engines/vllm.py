@@ -140,7 +140,8 @@ def run_worker(request: dict, cache: Path) -> dict:
                               capture_output=True, text=True, cwd=Path(__file__).parents[2],
                               check=False)
         if done.returncode != 0 or not result_path.is_file():
-            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {root_cause(done.stdout + done.stderr)}"
+            cause = root_cause(done.stdout + done.stderr)
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {cause}"
                                f"\n{done.stderr[-3000:]}")
         return json.loads(result_path.read_text())
 
