@@ -206,8 +206,8 @@ def test_our_steps_are_counted_as_llama_server_counts_them_near_max_new_tokens()
         theirs, drafted, same = _greedy_steps(target, draft, max_new, k,
                                               lambda left: max(min(k, left - 1), 0))
         assert same == text
-        accepted = [sum(a > j for a in theirs) for j in range(k)]
-        assert budgeted(ours, max_new, k) == from_totals(len(theirs), accepted, drafted, k)
+        assert budgeted(ours, max_new, k) == from_totals(
+            len(theirs), _steps_to_counters(theirs, k), drafted, k)
     # by hand: k=3, 8 tokens: 1 + (3+1) + a trimmed 2-token draft, both accepted (+1) = 8
     assert budgeted([3, 3], 8, 3) == from_totals(2, [2, 2, 1], 5, 3)
     # a last token decoded without a draft is no step: 1 + 1 + 1 + (last, plain)
