@@ -211,8 +211,8 @@ def main() -> None:
     targets, data, errors = {}, {}, {}
     for kind in [] if args.no_run else args.kinds.split(","):  # kind by kind
         recipe, extra = KINDS[kind]
-        checked = check_train_config(load_config(ROOT / "configs" / f"{recipe}.yaml",
-                                                 extra).train)
+        config = load_config(ROOT / "configs" / f"{recipe}.yaml", extra)
+        checked = check_train_config(config.train)
         for arch in args.architectures.split(","):
             for engine in args.engines.split(","):
                 path = cells_dir / f"{arch}-{kind}-{engine}.json"
@@ -223,7 +223,7 @@ def main() -> None:
                     targets[arch] = build_target(arch, root)
                 engine_ = make_engine(engine)
                 why = engine_.why_not(checked) or (  # llama.cpp's converter answers itself
-                    engine_.why_not_target(checked, _config(targets[arch]))
+                    engine_.why_not_target(checked, _config(targets[arch]), config.train.draft)
                     if engine == "vllm" else None)
                 if why:
                     result = dict(architecture=arch, kind=kind, engine=engine, status="refused",

@@ -131,6 +131,20 @@ def parse_spec(spec: str) -> tuple[str, int | None, int | None]:
     return "pretrained", None, None
 
 
+def draft_layer_types(spec: str, target_config: dict) -> list[str] | None:
+    """The attention type of each layer of the draft `spec` names ('sliding_attention',
+    'full_attention', ...), read without loading weights; None when the config does not say
+    (every layer alike) or a named draft's config.json is not on disk."""
+    from assets.published import target_facts
+
+    kind, layers, _ = parse_spec(spec)
+    if kind == "pretrained":
+        facts = target_facts(spec)
+        return facts.config.get("layer_types") if facts is not None else None
+    types = target_config.get("layer_types")
+    return list(types[:layers]) if types else None
+
+
 def _positive(text: str, spec: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise ConfigError(f"train.draft={spec!r}: expected a positive integer, got {text!r}.")

@@ -42,7 +42,8 @@ def check_target_served(cfg: Config, kind: DraftKind) -> None:
     if cfg.model.target.startswith("embedded:"):
         return  # a Llama: every kind is served
     facts = target_facts(cfg.model.target)
-    if facts is not None and (why := VLLM().why_not_target(kind, facts.config)):
+    if facts is not None and (why := VLLM().why_not_target(kind, facts.config,
+                                                                   cfg.train.draft)):
         raise ConfigError(f"model.target={cfg.model.target!r} is a {facts.architecture}, and "
                           f"train.draft={cfg.train.draft!r}: {why}")
 

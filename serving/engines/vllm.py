@@ -10,8 +10,10 @@ engine drafts alike for the comparison (drafting), unless told otherwise on purp
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -115,10 +117,14 @@ def vllm_version() -> str:
 def root_cause(stderr: str) -> str:
     """The first exception line vLLM's worker or engine process logged (the error its parent
     reports is a generic "Engine core initialization failed")."""
-    for line in stderr.splitlines():
+    lines = stderr.splitlines()
+    for line in lines:
         text = line.split("] ", 1)[-1].strip()
         if " ERROR " in line and text.split(":")[0].endswith(("Error", "Exception")):
             return text
+    for line in lines:  # the engine core in the worker's process: a plain traceback
+        if found := re.match(r"(?:\[rank\d+\]: )?([\w.]+(?:Error|Exception): .*)", line):
+            return found.group(1).strip()
     return "see its log below"
 
 
@@ -214,10 +220,26 @@ class VLLM:
             return f"vLLM 0.32 has no speculative method for {kind.description}."
         return None
 
-    def why_not_target(self, kind: DraftKind, target_config: dict) -> str | None:
-        """None when vLLM serves `kind` for a target of this config.json here, else the reason
-        with what it does serve."""
+    def why_not_target(self, kind: DraftKind, target_config: dict,
+                       draft: str | None = None) -> str | None:
+        """None when vLLM serves `kind` (train.draft=`draft`) for a target of this config.json
+        here, else the reason with what it does serve."""
         architecture = (target_config.get("architectures") or ["?"])[0]
+        if kind.name in ("independent", "pard") and draft is not None:
+            from drafts.independent import draft_layer_types
+
+            types = draft_layer_types(draft.removeprefix("pard:"), target_config) or []
+            runs = [(t, len(list(g))) for t, g in itertools.groupby(types)]
+            if len(runs) > 1:  # vLLM's hybrid KV cache puts each attention type in its group
+                prefix = "pard:" if draft.startswith("pard:") else ""
+                return ("this draft's layers mix attention types (in order: "
+                        f"{', '.join(f'{n} x {t}' for t, n in runs)}), and vLLM 0.32 runs a "
+                        "draft model only when all its attention layers share one KV-cache "
+                        "group (\"All drafting layers should belong to the same kv cache "
+                        "group\", llm_base_proposer.py). Keep layers of one type: "
+                        f"train.draft={prefix}layer-truncated:{runs[0][1]} keeps the first "
+                        "ones, or train a Medusa head"
+                        + (" or an EAGLE-3 head" if architecture in EAGLE3_TARGETS else "") + ".")
         if kind.name in AUX_HIDDEN_STATE_KINDS and architecture not in EAGLE3_TARGETS:
             return (f"vLLM 0.32 serves {kind.description} only for targets that expose their "
                     f"intermediate layers (its SupportsEagle3 interface), and {architecture} "

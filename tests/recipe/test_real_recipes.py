@@ -4,6 +4,7 @@ load, without downloading anything."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -121,4 +122,21 @@ def test_an_attention_draft_beside_an_mla_target_is_refused_on_a_cpu_only(tmp_pa
     with pytest.raises(ConfigError, match="as DeepSeek's multi-token-prediction module"):
         check_target_served(own, check_train_config(own.train))
     monkeypatch.setattr(vllm_engine, "gpu_available", lambda: True)
+    check_target_served(cfg, check_train_config(cfg.train))
+
+
+@pytest.mark.parametrize("draft", ["layer-truncated:6", "pard:layer-truncated:6", "fresh:6x64"])
+def test_a_draft_model_mixing_sliding_and_full_layers_is_refused_naming_a_uniform_one(tmp_path,
+                                                                                    draft):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 49152,
+        "num_hidden_layers": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
+        + ["sliding_attention"] * 2}))
+    cfg = load_config(None, [f"model.target={tmp_path}", f"train.draft={draft}"])
+    with pytest.raises(ConfigError, match=r"in order: 5 x sliding_attention, 1 x full_attention\)"
+                                          r", and vLLM .* one KV-cache group.*"
+                                          r"train.draft=(pard:)?layer-truncated:5 "):
+        check_target_served(cfg, check_train_config(cfg.train))
+    uniform = draft.replace(":6", ":5")
+    cfg = load_config(None, [f"model.target={tmp_path}", f"train.draft={uniform}"])
     check_target_served(cfg, check_train_config(cfg.train))

@@ -263,3 +263,21 @@ def test_an_alpha_never_accepted_still_has_an_upper_bound_and_the_design_effect_
     assert low == 0.0 and 0.004 < high < 0.01  # Wilson's ~z^2 / (n + z^2)
     (_, wider), = alpha_intervals(600, [0], design_effect=2.0)
     assert wider > 1.5 * high
+
+
+def test_the_root_cause_of_a_vllm_failure_is_its_first_exception_line():
+    from serving.engines.vllm import root_cause
+
+    logged = ("(EngineCore pid=7) INFO 12-02 10:00:01 [core.py:90] starting\n"
+              "(EngineCore pid=7) ERROR 12-02 10:00:02 [core.py:700] EngineCore failed.\n"
+              "(EngineCore pid=7) ERROR 12-02 10:00:02 [core.py:701] ValueError: No common "
+              "block size for 128\n"
+              "RuntimeError: Engine core initialization failed\n")
+    assert root_cause(logged) == "ValueError: No common block size for 128"
+    in_process = ("[rank0]: Traceback (most recent call last):\n"
+                  "[rank0]:   File \"llm_base_proposer.py\", line 1698, in validate\n"
+                  "[rank0]: AssertionError: All drafting layers should belong to the same kv "
+                  "cache group\n")
+    assert root_cause(in_process) == ("AssertionError: All drafting layers should belong to the "
+                                      "same kv cache group")
+    assert root_cause("Killed\n") == "see its log below"
