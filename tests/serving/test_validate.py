@@ -281,3 +281,24 @@ def test_the_root_cause_of_a_vllm_failure_is_its_first_exception_line():
     assert root_cause(in_process) == ("AssertionError: All drafting layers should belong to the "
                                       "same kv cache group")
     assert root_cause("Killed\n") == "see its log below"
+
+
+def test_a_vllm_requests_counters_are_the_totals_growth_while_it_ran():
+    from types import SimpleNamespace as Metric
+
+    from serving.engines.vllm_worker import counters, grown
+
+    class FakeLLM:  # vLLM's get_metrics(): counters as .value, per-position vectors as .values
+        def __init__(self, drafts, per_position):
+            self.metrics = [Metric(name="vllm:spec_decode_num_drafts", value=drafts),
+                            Metric(name="vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   value=None, values=per_position),
+                            Metric(name="vllm:num_requests_running", value=1)]
+
+        def get_metrics(self):
+            return self.metrics
+
+    assert counters(FakeLLM(7, [5, 3])) == {"drafts": 7, "accepted_per_position": [5, 3]}
+    before, after = counters(FakeLLM(7, [5, 3])), counters(FakeLLM(12, [9, 4]))
+    assert grown(before, after) == {"drafts": 5, "accepted_per_position": [4, 1]}
+    assert grown({}, before) == before  # the first request: no counters before it
