@@ -15,7 +15,7 @@ KNOBS = {"speculative_decoding", "draft_model", "max_speculative_tokens"}
 COMMON = {"model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n", "stream",
           "stream_options", "user"} | KNOBS
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON | {"prompt"}
+COMPLETION_FIELDS = COMMON | {"prompt", "return_token_ids", "stop_token_ids"}  # vLLM's own
 
 
 @dataclass
@@ -64,6 +64,8 @@ class Job:
     text_sent: int = 0
     cancelled: bool = False
     finished: bool = False
+    return_token_ids: bool = False
+    """Answer with the generated token ids too (vLLM's extension, what stage 1 reads)."""
 
     def batch_key(self):
         """Requests with equal keys may share a batch: greedy, same draft and k."""
@@ -142,6 +144,16 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise HTTPError(400, "'stream_options' takes only {\"include_usage\": bool}.")
 
+    return_ids = body.get("return_token_ids") or False
+    if not isinstance(return_ids, bool):
+        raise HTTPError(400, "'return_token_ids' must be true or false.")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids) or (
+            not set(stop_ids) <= served.eos):
+        raise HTTPError(400, f"'stop_token_ids' {stop_ids!r}: this server stops at the target's "
+                             f"end-of-turn tokens {sorted(served.eos)} only; name some of those "
+                             "or leave the field out.")
+
     name = body.get("draft_model")
     # on when a draft is named or the server has a trained one, unless the request says off
     speculate = body.get("speculative_decoding",
@@ -182,5 +194,6 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
         raise HTTPError(400, f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + "
                              f"{depth} draft positions exceed the model's context of "
                              f"{served.context}: shorten the prompt or lower max_tokens.")
-    job = Job(prompt, settings, name, seed, stops, loop, asyncio.Queue())
+    job = Job(prompt, settings, name, seed, stops, loop, asyncio.Queue(),
+              return_token_ids=return_ids)
     return job, stream, {"include_usage": bool(options.get("include_usage"))}

@@ -188,7 +188,8 @@ class Scheduler:
             "queue_ms": round(1000 * (job.started - job.arrived), 1)}
         self.metrics.finished(job, stats, end - job.arrived, job.first_token_at - job.arrived)
         self._send(job, ("done", {"text": text, "finish_reason": reason,
-                                  "completion_tokens": len(job.tokens), **speculation}))
+                                  "completion_tokens": len(job.tokens),
+                                  "token_ids": list(job.tokens), **speculation}))
         self._release(job)
 
 

@@ -7,8 +7,9 @@
 
 Endpoints: GET /health, /v1/models, /metrics (Prometheus text); POST /v1/chat/completions (the
 target's chat template) and /v1/completions. Besides OpenAI's fields (model, messages | prompt,
-temperature, top_p, max_tokens, stop, seed, n=1, stream, stream_options) a request may carry,
-through the openai client's extra_body:
+temperature, top_p, max_tokens, stop, seed, n=1, stream, stream_options; on /v1/completions
+also vLLM's return_token_ids, and stop_token_ids among the target's end-of-turn tokens) a request
+may carry, through the openai client's extra_body:
   speculative_decoding    bool, default true when a draft is named or the run has a trained one
   draft_model             a loaded draft's name (the recipe's trained draft is named after the
                           run; --draft adds more) or 'ngram' (prompt lookup)
@@ -122,7 +123,8 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
                             {"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        shape = _Shape(rid, created, served.model_id, chat, len(job.prompt))
+        shape = _Shape(rid, created, served.model_id, chat, len(job.prompt),
+                       job.return_token_ids)
         if stream:
             return StreamingResponse(_stream(job, shape, options["include_usage"]),
                                      media_type="text/event-stream")
@@ -165,10 +167,11 @@ class _Shape:
     model: str
     chat: bool
     prompt_tokens: int
+    return_token_ids: bool = False
 
     def usage(self, done: dict) -> dict:
         extra = {k: v for k, v in done.items() if k not in ("text", "finish_reason",
-                                                            "completion_tokens")}
+                                                            "completion_tokens", "token_ids")}
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": done["completion_tokens"],
                 "total_tokens": self.prompt_tokens + done["completion_tokens"], **extra}
@@ -179,7 +182,8 @@ class _Shape:
                       "finish_reason": done["finish_reason"], "logprobs": None}
         else:
             choice = {"index": 0, "text": done["text"], "finish_reason": done["finish_reason"],
-                      "logprobs": None}
+                      "logprobs": None,
+                      **({"token_ids": done["token_ids"]} if self.return_token_ids else {})}
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(done)}

@@ -292,3 +292,19 @@ def test_the_vllm_engine_command_serves_the_export_and_vllm_parses_it(tiny_targe
                                        "model": str(folder.resolve())}
     assert (args.host, args.port, args.api_key, args.dtype) == ("127.0.0.1", 8001, ["k"],
                                                                 cfg.model.dtype)
+
+
+def test_a_completion_returns_its_token_ids_when_asked_and_names_the_stops_it_serves(server,
+                                                                                     served):
+    prompt = served.tokenizer("The sea is", add_special_tokens=False)["input_ids"]
+    body = {"model": served.model_id, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    r = _post(server, "/v1/completions", {**body, "return_token_ids": True,
+                                          "stop_token_ids": sorted(served.eos)})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == r.json()["usage"]["completion_tokens"]
+    assert served.text(choice["token_ids"]) == choice["text"]
+    assert "token_ids" not in _post(server, "/v1/completions", body).json()["choices"][0]
+    other = max(served.eos) + 1
+    r = _post(server, "/v1/completions", {**body, "stop_token_ids": [other]})
+    assert r.status_code == 400 and "end-of-turn tokens" in r.json()["error"]["message"]
