@@ -19,6 +19,9 @@ class Reply:
     """What the target wrote, end-of-turn token included when it emitted one."""
     finished: bool
     """True when the reply ended with an end-of-turn token, False when max_new_tokens cut it."""
+    finish_reason: str = ""
+    """A server's own finish reason ('none' when it gave none); "" from a local backend, whose
+    reply is 'stop' when finished and 'length' otherwise."""
 
 
 class RowSeededSampling:

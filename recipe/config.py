@@ -135,11 +135,33 @@ class GenerationConfig:
     measures the choice on your hardware; docs/distillation.md has measured figures)."""
     top_k_logprobs: int = 0
     """Store the target's top-k log-probabilities at every assistant position (0: none)."""
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    """Who runs the target in stage 1: transformers' generate ('hf') or vLLM's offline LLM
-    ('vllm', the 'cpu' extra on a machine without GPU). Same files either way; each row records
-    its backend and the manifest counts them. 'auto': vLLM where it is installed (the faster
-    of the two; docs/distillation.md), else transformers."""
+    backend: Literal["auto", "hf", "vllm", "openai"] = "auto"
+    """Who runs the target in stage 1: transformers' generate ('hf'), vLLM's offline LLM
+    ('vllm', the 'cpu' extra on a machine without GPU), or running OpenAI-compatible servers
+    ('openai': generation.openai_endpoints; a vLLM or SGLang deployment, or serving.server).
+    Same files either way; each row records its backend and the manifest counts them. 'auto':
+    vLLM where it is installed (the faster of the two local ones; docs/distillation.md), else
+    transformers."""
+    openai_endpoints: list[str] = field(default_factory=list)
+    """With backend 'openai': base URLs serving the target, e.g. http://10.0.0.5:8000/v1
+    (each takes openai_concurrency requests at once; requests go to the least busy)."""
+    openai_model: str | None = None
+    """The target's name on those servers (GET /v1/models); None: model.target as written
+    (what `vllm serve <model>` serves it as). A server that does not serve it is refused."""
+    openai_concurrency: int = 16
+    """Requests in flight per endpoint."""
+    openai_timeout_s: float = 600.0
+    """Seconds one request may take before it is retried."""
+    openai_max_retries: int = 8
+    """Retries of one request (429, 5xx, timeouts, dropped connections; backoff 1, 2, 4 .. 60 s,
+    or the server's Retry-After) before stage 1 stops, keeping every shard written."""
+    openai_api_key_env: str = "OPENAI_API_KEY"
+    """The environment variable holding the servers' API key (unset: no key sent). The key
+    itself never goes into a config, a manifest or a log."""
+    openai_max_retokenized: float = 0.02
+    """From a server that returns text only (no token ids, which vLLM and serving.server
+    return): the largest fraction of replies whose re-tokenized ids disagree with the server's
+    completion_tokens or do not decode back to its text; above it stage 1 stops."""
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
     vllm_tensor_parallel_size: int = 1
@@ -166,6 +188,25 @@ class GenerationConfig:
                               f"{self.vllm_tensor_parallel_size} must be >= 1.")
         if self.top_k_logprobs < 0:
             raise ConfigError(f"generation.top_k_logprobs={self.top_k_logprobs} must be >= 0.")
+        if self.backend == "openai":
+            if not self.openai_endpoints:
+                raise ConfigError("generation.backend=openai needs generation.openai_endpoints: "
+                                  "the base URLs of servers running the target, e.g. "
+                                  "[http://10.0.0.5:8000/v1].")
+            bad = [u for u in self.openai_endpoints if not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ConfigError(f"generation.openai_endpoints {bad}: each must be an http(s) "
+                                  "base URL, e.g. http://10.0.0.5:8000/v1.")
+            if self.top_k_logprobs:
+                raise ConfigError("generation.top_k_logprobs needs the target's logits, which "
+                                  "an OpenAI server does not return in full: set it to 0 with "
+                                  "backend openai, or use backend vllm or hf.")
+        if self.openai_concurrency < 1 or self.openai_max_retries < 0:
+            raise ConfigError("generation.openai_concurrency must be >= 1 and "
+                              "generation.openai_max_retries >= 0.")
+        if self.openai_timeout_s <= 0 or not 0 <= self.openai_max_retokenized <= 1:
+            raise ConfigError("generation.openai_timeout_s must be > 0 and "
+                              "generation.openai_max_retokenized in [0, 1].")
 
     @property
     def do_sample(self) -> bool:

@@ -42,7 +42,7 @@ def schema(top_k: int) -> pa.Schema:
         # replies whose decoded text re-encodes to other ids than the target generated (a reply
         # cut inside a multi-byte character, a non-canonical merge); input_ids hold the re-encoding
         ("retokenized_replies", pa.int32()),
-        ("finish_reasons", pa.list_(pa.string())),  # per assistant turn: stop | length
+        ("finish_reasons", pa.list_(pa.string())),  # per turn: stop, length, or a server's own
         ("backend", pa.string()),  # who ran the target: hf | vllm (the manifest counts them)
     ]
     if top_k:
