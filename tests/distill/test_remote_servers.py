@@ -58,35 +58,39 @@ def _rows(out) -> dict:
 
 
 @pytest.mark.integration
-def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(tiny_target, tmp_path):
-    from assets.target import vllm_cpu_environment
+def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(tmp_path):
+    """The real SmolLM2 target, fp32 greedy: vLLM's offline engine against vLLM's server."""
+    from assets.target import resolve_target, vllm_cpu_environment
+    from recipe import ModelConfig
 
-    prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(24))
-    common = ["generation.max_new_tokens=24", "generation.vllm_enforce_eager=true"]
-    offline = _distill(_overrides(tiny_target, prompts, tmp_path / "offline",
-                                  "generation.backend=vllm", *common))
+    common = ["data.max_prompts=12", "generation.max_new_tokens=32", "model.dtype=float32",
+              "generation.vllm_enforce_eager=true", "train.draft=layer-truncated:1"]
+    offline = _distill([f"run.output_dir={tmp_path / 'offline'}", "generation.backend=vllm",
+                        *common])
     log = offline.communicate(timeout=600)[0]
     assert offline.returncode == 0, log[-3000:]
     port = _free_port()
     env = {**os.environ, **vllm_cpu_environment(str(tmp_path / "vllm-cache"))}
     server = subprocess.Popen([sys.executable, "-m", "serving.vllm_api", "--model",
-                               str(tiny_target), "--dtype", "float32", "--enforce-eager",
-                               "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               resolve_target(ModelConfig()).path, "--dtype", "float32",
+                               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         _wait_until_up(url, server)
-        remote = _distill(_overrides(tiny_target, prompts, tmp_path / "remote",
-                                     "generation.backend=openai", *common,
-                                     f"generation.openai_endpoints=[{url}]"))
+        remote = _distill([f"run.output_dir={tmp_path / 'remote'}", "generation.backend=openai",
+                           *common, f"generation.openai_endpoints=[{url}]"])
         remote_log = remote.communicate(timeout=600)[0]
     finally:
         kill_process_tree(server.pid)
     assert remote.returncode == 0, remote_log[-3000:]
-    for name, text in (("offline vLLM", log), ("vLLM's server", remote_log)):
-        print(name, [ln for ln in text.splitlines() if "tokens/s" in ln])
-    assert read_manifest(tmp_path / "remote")["generated_by"] == {"openai": 24}
-    assert _rows(tmp_path / "remote") == _rows(tmp_path / "offline")
+    for name, text in (("vLLM offline", log), ("vLLM's OpenAI server", remote_log)):
+        print(name, *[ln for ln in text.splitlines() if "tokens/s" in ln or "servers:" in ln])
+    rows = _rows(tmp_path / "remote")
+    assert read_manifest(tmp_path / "remote")["generated_by"] == {"openai": len(rows)}
+    assert any("stop" in r["finish_reasons"] for r in rows.values())  # the target ended turns
+    assert rows == _rows(tmp_path / "offline")
 
 
 @pytest.mark.slow
