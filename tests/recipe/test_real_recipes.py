@@ -125,18 +125,30 @@ def test_an_attention_draft_beside_an_mla_target_is_refused_on_a_cpu_only(tmp_pa
     check_target_served(cfg, check_train_config(cfg.train))
 
 
-@pytest.mark.parametrize("draft", ["layer-truncated:6", "pard:layer-truncated:6", "fresh:6x64"])
-def test_a_draft_model_mixing_sliding_and_full_layers_is_refused_naming_a_uniform_one(tmp_path,
-                                                                                    draft):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 49152,
-        "num_hidden_layers": 8, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
-        + ["sliding_attention"] * 2}))
+HYBRID = {  # tiny configs of targets whose attention layers mix sliding and full attention
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
+               + ["sliding_attention"] * 2},
+    "gpt-oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "layer_types": ["sliding_attention", "full_attention"] * 4}}
+
+
+@pytest.mark.parametrize("target, draft, one", [
+    ("gemma3", "layer-truncated:6", "layer-truncated:1"),
+    ("gemma3", "pard:layer-truncated:5", "pard:layer-truncated:1"),
+    ("gemma3", "fresh:2x64", "layer-truncated:1"),
+    ("gpt-oss", "dflash:2", "dflash:1"),
+])
+def test_a_draft_model_of_several_layers_beside_a_hybrid_attention_target_is_refused(
+        tmp_path, target, draft, one):
+    (tmp_path / "config.json").write_text(json.dumps({**HYBRID[target], "vocab_size": 49152,
+                                                      "num_hidden_layers": 8}))
     cfg = load_config(None, [f"model.target={tmp_path}", f"train.draft={draft}"])
-    with pytest.raises(ConfigError, match=r"in order: 5 x sliding_attention, 1 x full_attention\)"
-                                          r", and vLLM .* one KV-cache group.*"
-                                          r"train.draft=(pard:)?layer-truncated:5 "):
+    runs = {"gemma3": "5 x sliding_attention, 1 x full_attention, 2 x sliding_attention",
+            "gpt-oss": "4 x sliding_attention and 4 x full_attention, interleaved"}[target]
+    with pytest.raises(ConfigError, match=rf"layer draft model sits beside a target .*"
+                                          rf"\(in order: {runs}.*same kv cache group.*"
+                                          rf"train.draft={one}\)"):
         check_target_served(cfg, check_train_config(cfg.train))
-    uniform = draft.replace(":6", ":5")
-    cfg = load_config(None, [f"model.target={tmp_path}", f"train.draft={uniform}"])
-    check_target_served(cfg, check_train_config(cfg.train))
+    single = load_config(None, [f"model.target={tmp_path}", f"train.draft={one}"])
+    check_target_served(single, check_train_config(single.train))
