@@ -11,6 +11,7 @@ optimizer_step, and checkpoints hold model, optimizer, RNG and step, so resume i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -191,6 +192,25 @@ def accelerator_kwargs(cfg: Config) -> dict:
         kwargs.update(log_with=cfg.tracking.tracker,
                       project_dir=str(run_folder(cfg).train))
     return kwargs
+
+
+@contextlib.contextmanager
+def _loaded_whole(accelerator):
+    """Models built inside are whole on every process. Under ZeRO-3 accelerate registers its
+    config with transformers whatever zero3_init_flag says, and transformers then loads every
+    model partitioned (empty tensors on each process): the frozen target must stay whole, and
+    the draft built from it is sharded by DeepSpeed itself at prepare."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or plugin.deepspeed_config.get("zero_optimization", {}).get("stage") != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
@@ -388,11 +408,11 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     data = load_stage1(cfg, resolved.fingerprint)
-    target = load_target(resolved, cfg.model.dtype, accelerator.device)
+    with _loaded_whole(accelerator):
+        target = load_target(resolved, cfg.model.dtype, accelerator.device)
+        torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
+        draft = kind.build(tcfg, target, tokenizer, data.train, accelerator.print)
     eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
-
-    torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
-    draft = kind.build(tcfg, target, tokenizer, data.train, accelerator.print)
     kind.freeze(draft, tcfg)
     model = kind.wrap(_with_lora(draft, tcfg) if tcfg.lora_rank else draft, tcfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],

@@ -35,7 +35,8 @@ def single_process_curve(tiny_run):
     return _losses(cfg.run.output_path)
 
 
-@pytest.mark.parametrize("launch_config", ["ddp-cpu.yaml", "deepspeed-zero2-cpu.yaml"])
+@pytest.mark.parametrize("launch_config", ["ddp-cpu.yaml", "deepspeed-zero2-cpu.yaml",
+                                           "fsdp-cpu.yaml", "deepspeed-zero3-cpu.yaml"])
 def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, launch_config,
                                  single_process_curve):
     from tests.helpers import tiny_overrides
