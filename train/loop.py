@@ -237,8 +237,21 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
     ds["gradient_clipping"] = cfg.max_grad_norm
 
 
-def _resume_check(checkpoint: Path, cfg: Config) -> None:
+def _resume_check(checkpoint: Path, cfg: Config, processes: int) -> None:
+    """Refuse a resume that would not continue the same run: another config, or another
+    number of processes (the micro-batches each process reads, and sharded FSDP / ZeRO states,
+    depend on it)."""
     import yaml
+
+    launch = checkpoint / "launch.json"
+    saved_processes = json.loads(launch.read_text())["processes"] if launch.is_file() else None
+    if saved_processes is not None and saved_processes != processes:
+        raise ConfigError(
+            f"the checkpoint {checkpoint} was written by {saved_processes} training processes "
+            f"and this launch has {processes}: a resume continues the same run only with the "
+            f"same number (which micro-batches each process reads, and FSDP / ZeRO shards, "
+            f"depend on it). Launch with --num_processes {saved_processes}, or start over "
+            f"under a new run.name (or delete {checkpoint.parent}).")
 
     def trajectory(c: dict) -> dict:  # the settings a resumed run must share
         return {"model": c["model"], "seed": c["run"]["seed"],
@@ -277,6 +290,7 @@ def _save_checkpoint(accelerator, dist: Dist, state: TrainState, cfg: Config) ->
     dist.barrier()
     if dist.is_main:  # appears complete or not at all
         cfg.save(tmp / "config.yaml")
+        (tmp / "launch.json").write_text(json.dumps({"processes": dist.world}) + "\n")
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
         kept = sorted(p for p in folder.parent.glob("step-*") if p.is_dir())
@@ -549,7 +563,7 @@ def _resume(accelerator, checkpoints: Path, cfg: Config, state: TrainState) -> i
     checkpoint = latest_checkpoint(checkpoints)
     if checkpoint is None:
         return None
-    _resume_check(checkpoint, cfg)
+    _resume_check(checkpoint, cfg, Dist.of(accelerator).world)
     accelerator.load_state(str(checkpoint))
     accelerator.print(f"[train] resumed from {checkpoint} (optimizer_step "
                       f"{state.optimizer_step})")

@@ -1,4 +1,5 @@
-"""DDP (gloo) and DeepSpeed ZeRO-2 with 2 CPU processes follow the single-process run.
+"""DDP (gloo), DeepSpeed ZeRO-2 and ZeRO-3 and FSDP2 with 2 CPU processes follow the single-process
+run, for an independent draft and (sharded) an EAGLE-3 head.
 
 With 2 processes x 2 micro_steps the run sees the same micro-batches per optimizer_step as
 1 process x 4 micro_steps, and the loss is normalised by the step's total tokens, so the loss
@@ -27,27 +28,31 @@ def _losses(out: Path) -> dict[int, float]:
     return {e["optimizer_step"]: e["loss"] for e in lines if "loss" in e}
 
 
-@pytest.fixture
-def single_process_curve(tiny_run):
-    cfg = tiny_run("train.gradient_accumulation_steps=4", "train.max_steps=4",
-                   "train.save_every=2")
-    train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
-    return _losses(cfg.run.output_path)
+EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
+          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
+KINDS = {"independent": (), "eagle3": EAGLE3}
 
 
-@pytest.mark.parametrize("launch_config", ["ddp-cpu.yaml", "deepspeed-zero2-cpu.yaml",
-                                           "fsdp-cpu.yaml", "deepspeed-zero3-cpu.yaml"])
+@pytest.mark.parametrize("launch_config, kind", [
+    ("ddp-cpu.yaml", "independent"), ("deepspeed-zero2-cpu.yaml", "independent"),
+    ("fsdp-cpu.yaml", "independent"), ("deepspeed-zero3-cpu.yaml", "independent"),
+    ("fsdp-cpu.yaml", "eagle3"), ("deepspeed-zero3-cpu.yaml", "eagle3")])
 def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, launch_config,
-                                 single_process_curve):
+                                 kind):
     from tests.helpers import tiny_overrides
 
+    cfg = tiny_run(*KINDS[kind], "train.gradient_accumulation_steps=4", "train.max_steps=4",
+                   "train.save_every=2")
+    train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
+    single_process_curve = _losses(cfg.run.output_path)
     prompts, source = tiny_stage1
     out = tmp_path / "dist"
     out.mkdir()
     for name in ("data", "manifest.json"):
         os.symlink(source / name, out / name)
     overrides = tiny_overrides(tiny_target, prompts, out) + [
-        "train.gradient_accumulation_steps=2", "train.max_steps=4", "train.save_every=2"]
+        *KINDS[kind], "train.gradient_accumulation_steps=2", "train.max_steps=4",
+        "train.save_every=2"]
     accelerate = Path(sys.executable).parent / "accelerate"
     result = subprocess.run(
         [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" /

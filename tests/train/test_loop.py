@@ -83,6 +83,18 @@ def test_resume_with_another_config_is_refused(tiny_run):
     assert summary.resumed_from == 3
 
 
+def test_resume_with_another_number_of_processes_is_refused_naming_the_launch(tiny_run):
+    cfg = tiny_run("train.max_steps=3", "train.warmup_steps=1")
+    _train(cfg)
+    checkpoint = cfg.run.output_path / "train" / "checkpoints" / checkpoint_name(3)
+    assert json.loads((checkpoint / "launch.json").read_text()) == {"processes": 1}
+    shutil.rmtree(cfg.run.output_path / "train" / "draft")
+    (checkpoint / "launch.json").write_text('{"processes": 2}')  # as a 2-process launch leaves
+    with pytest.raises(ConfigError, match=r"written by 2 training processes and this launch has "
+                                          r"1: .*--num_processes 2"):
+        _train(cfg)
+
+
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tiny_run, monkeypatch):
     import train.loop
 
@@ -187,7 +199,11 @@ KILLED_RUNS = {  # every path whose state a checkpoint must carry
     "eagle3-offline": (*EAGLE3, "train.target_features=offline"),
     "lora": ("train.lora_rank=4", "train.loss=fkl"),
     "ddp-2-processes": ("train.gradient_accumulation_steps=4",),
+    "fsdp-2-processes": ("train.gradient_accumulation_steps=4",),
+    "zero3-2-processes": ("train.gradient_accumulation_steps=4",),
 }
+LAUNCH = {"ddp-2-processes": "ddp-cpu.yaml", "fsdp-2-processes": "fsdp-cpu.yaml",
+          "zero3-2-processes": "deepspeed-zero3-cpu.yaml"}
 
 
 @pytest.mark.slow
@@ -212,10 +228,10 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
                     ignore=shutil.ignore_patterns("train", "features"))  # the stage-1 data only
     root = ROOT
     launcher = [sys.executable]
-    if case == "ddp-2-processes":  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
+    if case in LAUNCH:  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
         overrides = [*overrides, "train.gradient_accumulation_steps=2"]
         launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                    str(root / "configs" / "accelerate" / "ddp-cpu.yaml")]
+                    str(root / "configs" / "accelerate" / LAUNCH[case])]
     cfg = tiny_run(*overrides, f"run.output_dir={killed}")
     command = [*launcher, str(root / "distill.py"), "--config",
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
