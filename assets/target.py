@@ -162,6 +162,16 @@ def resolve_target(cfg: ModelConfig) -> ResolvedTarget:
     return ResolvedTarget(cfg.target, cfg.target, cfg.revision, "hub-commit:" + snapshot.name)
 
 
+def model_id(cfg) -> str:
+    """What an OpenAI server names the target (serving.server's name, stage 1's default for an
+    OpenAI backend): the embedded model's name, a folder's name, a hub id."""
+    target = cfg.model.target
+    if target.startswith("embedded:"):
+        return target.removeprefix("embedded:")
+    local = Path(target).expanduser()
+    return local.resolve().name if local.is_dir() else target
+
+
 def load_tokenizer(target: ResolvedTarget, chat_template_kwargs: dict | None = None):
     """The target's tokenizer, left-padding, rendering chats with `chat_template_kwargs`
     (model.chat_template_kwargs: Qwen3's enable_thinking, gpt-oss's reasoning_effort)."""

@@ -15,6 +15,7 @@ from assets.target import (
     cpu_has_native_bf16,
     end_of_turn_ids,
     load_target,
+    model_id,
     vllm_cpu_environment,
     vllm_engine_options,
 )
@@ -122,8 +123,6 @@ def served_names(cfg, target) -> list[str]:
     """The names an OpenAI server may serve the target under: generation.openai_model alone
     when set, else model.target as written (`vllm serve <model>`), its resolved folder, and
     serving.server's name for it."""
-    from serving.served import model_id
-
     if cfg.generation.openai_model:
         return [cfg.generation.openai_model]
     return list(dict.fromkeys([cfg.model.target, target.path, model_id(cfg)]))

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+from assets.target import (
+    end_of_turn_ids,
+    load_target,
+    load_tokenizer,
+    model_id,
+    resolve_target,
+)
 from drafts import load_draft
 from recipe import Config, ConfigError
 from runfolder import run_folder
 
 NGRAM = "ngram"
 """The draft name of prompt lookup, which every server serves."""
-
-
-def model_id(cfg: Config) -> str:
-    """What clients name the target: the embedded model's name, a folder's name, a hub id."""
-    target = cfg.model.target
-    if target.startswith("embedded:"):
-        return target.removeprefix("embedded:")
-    local = Path(target).expanduser()
-    return local.resolve().name if local.is_dir() else target
 
 
 class Served:

@@ -237,15 +237,15 @@ def _configure_deepspeed(accelerator, cfg: TrainConfig) -> None:
     ds["gradient_clipping"] = cfg.max_grad_norm
 
 
-def _resume_check(checkpoint: Path, cfg: Config, processes: int) -> None:
-    """Refuse a resume that would not continue the same run: another config, or another
-    number of processes (the micro-batches each process reads, and sharded FSDP / ZeRO states,
-    depend on it)."""
+def _resume_check(checkpoint: Path, cfg: Config, processes: int | None = None) -> None:
+    """Refuse a resume that would not continue the same run: another config, or (processes
+    given) another number of processes (the micro-batches each process reads, and sharded
+    FSDP / ZeRO states, depend on it)."""
     import yaml
 
     launch = checkpoint / "launch.json"
     saved_processes = json.loads(launch.read_text())["processes"] if launch.is_file() else None
-    if saved_processes is not None and saved_processes != processes:
+    if None not in (saved_processes, processes) and saved_processes != processes:
         raise ConfigError(
             f"the checkpoint {checkpoint} was written by {saved_processes} training processes "
             f"and this launch has {processes}: a resume continues the same run only with the "
