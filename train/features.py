@@ -147,7 +147,9 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
         log(f"[train] offline features: {len(examples)} conversations, {tokens:,} tokens x "
             f"{4 * hidden} values ({tcfg.feature_dtype}, {per_token:,} bytes per token) = "
             f"{tokens * per_token / 2**30:.2f} GiB in {folder}; {len(missing)} of "
-            f"{_shard_count(examples)} shards to write")
+            f"{_shard_count(examples)} shards to write"
+            + (f", shard i by process i % {world} (~{tokens * per_token / world / 2**30:.2f} "
+               "GiB each)" if world > 1 else ""))
     barrier()
     began, written = time.perf_counter(), 0
     for index in missing:
