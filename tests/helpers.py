@@ -252,3 +252,17 @@ def run_recipe(argv: list) -> tuple[int, str, str]:
     finally:
         reset_accelerate()
     return code, out.getvalue(), err.getvalue()
+
+
+EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
+          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
+"""An EAGLE-3 head on the tiny target, trained in fp32 with online features and logits."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server or a launcher started next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

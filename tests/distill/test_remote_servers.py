@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,16 @@ import httpx
 import pytest
 
 from runfolder import read_columns, read_manifest
-from tests.helpers import ROOT, chat_records, kill_process_tree, recipe_path, write_jsonl
+from tests.helpers import (
+    ROOT,
+    chat_records,
+    free_port,
+    kill_process_tree,
+    recipe_path,
+    write_jsonl,
+)
 
 ROW = ["id", "input_ids", "loss_mask", "messages", "finish_reasons", "num_turns"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_up(url: str, process, seconds: float = 300) -> None:
@@ -69,7 +69,7 @@ def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(tmp_path):
                         *common])
     log = offline.communicate(timeout=600)[0]
     assert offline.returncode == 0, log[-3000:]
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **vllm_cpu_environment(str(tmp_path / "vllm-cache"))}
     server = subprocess.Popen([sys.executable, "-m", "serving.vllm_api", "--model",
                                resolve_target(ModelConfig()).path, "--dtype", "float32",
@@ -100,7 +100,7 @@ def test_our_server_killed_mid_run_and_restarted_loses_nothing(tiny_target, tmp_
     local = _distill(_overrides(tiny_target, prompts, tmp_path / "hf", "generation.backend=hf",
                                 *common))
     assert local.wait(timeout=600) == 0, local.stdout.read()[-3000:]
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/v1"
 
     def start_server():

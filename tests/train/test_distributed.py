@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
-from tests.helpers import ROOT, recipe_path
+from tests.helpers import EAGLE3, ROOT, recipe_path
 from train import accelerator_kwargs, train_draft
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
@@ -28,8 +28,6 @@ def _losses(out: Path) -> dict[int, float]:
     return {e["optimizer_step"]: e["loss"] for e in lines if "loss" in e}
 
 
-EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
-          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
 KINDS = {"independent": (), "eagle3": EAGLE3}
 
 

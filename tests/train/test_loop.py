@@ -13,6 +13,7 @@ from accelerate import Accelerator
 
 from recipe import ConfigError
 from tests.helpers import (
+    EAGLE3,
     ROOT,
     kill_process_tree,
     tensorboard_scalars,
@@ -21,9 +22,6 @@ from tests.helpers import (
 )
 from train import TrainingDiverged, accelerator_kwargs, train_draft
 from train.data import checkpoint_name
-
-EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
-          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
 
 
 def _train(cfg):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from runfolder import read_columns, read_manifest
 from tests.helpers import (
     ROOT,
     chat_records,
+    free_port,
     kill_process_tree,
     recipe_path,
     tiny_overrides,
@@ -29,12 +29,6 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 DDP = str(ROOT / "configs" / "accelerate" / "ddp-cpu.yaml")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _one_machine(args: list[str]) -> None:
     result = subprocess.run([ACCELERATE, "launch", "--config_file", DDP, *args], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, check=False)
@@ -43,7 +37,7 @@ def _one_machine(args: list[str]) -> None:
 
 def _two_machines(args: list[str]) -> None:
     """Machine 0 and machine 1, one process each, meeting at 127.0.0.1:<port>."""
-    port = str(_port())
+    port = str(free_port())
     machines = [subprocess.Popen(
         [ACCELERATE, "launch", "--config_file", DDP, "--num_machines", "2", "--num_processes",
          "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
