@@ -75,6 +75,19 @@ def fix_cpu_expand() -> None:
     cpu_triton_utils._expand_kernel_impl = _expand_in_place
 
 
+def inspect_models_in_process() -> None:
+    """vLLM inspects a model class it has not cached (its interfaces: pooling, EAGLE-3 support,
+    ...) in a fresh Python that imports vLLM again, ~10 s on 2 CPU cores per target and draft
+    architecture, so as not to initialise CUDA in its own process. On a CPU there is no CUDA
+    to keep uninitialised, and the engine imports that class into this process anyway: inspect
+    it here. (vLLM's cache of inspections, <VLLM_CACHE_ROOT>/modelinfos, is written as before.)"""
+    from vllm.model_executor.models import registry
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        registry._run_in_subprocess = lambda fn: fn()
+
+
 def counters(llm) -> dict:
     """vLLM's spec-decode counters so far (totals since the engine started), by COUNTERS' names;
     none before a speculative engine's first step."""
@@ -106,6 +119,7 @@ def run(request: dict) -> dict:
         if broken and request.get("fix_cpu_expand"):
             fix_cpu_expand()  # seen by the engine because it runs in this process
             fixed = not cpu_expand_broken()
+    inspect_models_in_process()
     from vllm import LLM, SamplingParams
 
     temperature = request.get("temperature", 0.0)

@@ -479,3 +479,31 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
     fixed_in = set(re.findall(r"expand_kernel fallback replaced in process (\d+)",
                               log.read_text()))
     assert len(fixed_in) >= 2, log.read_text()[-3000:]  # the api_server and its engine core
+
+
+def test_vllm_inspects_a_model_class_in_this_process_on_a_cpu(monkeypatch, tmp_path):
+    """The worker's inspect_models_in_process: an architecture vLLM has not cached is inspected
+    without the subprocess (a second vLLM import) that vLLM starts to keep CUDA uninitialised."""
+    import subprocess
+
+    from vllm import envs
+    from vllm.model_executor.models import registry
+
+    from serving.engines.vllm_worker import inspect_models_in_process
+
+    monkeypatch.setattr(envs, "VLLM_CACHE_ROOT", str(tmp_path))  # nothing cached
+    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)  # restored
+    real_run = subprocess.run
+
+    def run(command, *args, **kwargs):
+        if command == registry._SUBPROCESS_COMMAND:
+            pytest.fail("vLLM inspected the class in a subprocess")
+        return real_run(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    lazy = registry.ModelRegistry.models["Qwen3ForCausalLM"]
+    with pytest.raises(pytest.fail.Exception):
+        lazy.inspect_model_cls()  # as shipped: a subprocess
+    inspect_models_in_process()
+    assert lazy.inspect_model_cls().is_text_generation_model
+    assert (tmp_path / "modelinfos").is_dir()  # vLLM's cache written as before
