@@ -232,19 +232,35 @@ class LlamaCppEngine:
                               "--top-p and --top-k.")
         llama, k = ensure_llamacpp(), exported.k
         draft = Path(exported.spec["draft"]) if with_draft else None
-        server = LlamaServer(llama, Path(exported.spec["target"]), draft, exported.method, k,
-                             draft_sampling=self.draft_sampling)
-        tokens, per_prompt = [], []
-        with server:
-            start, before = time.perf_counter(), server.counters()
-            for j, prompt in enumerate(prompts):
-                tokens.append(server.complete(prompt, settings.max_new_tokens,
-                                              settings.temperature, seed=cfg.run.seed + j))
-                after = server.counters()
-                per_prompt.append(per_request(after, before, k))
-                before = after
-            seconds = time.perf_counter() - start
-        run = EngineRun(tokens, seconds, report={"llama_cpp_build_seconds": llama.build_seconds})
+        target = Path(exported.spec["target"])
+        cache = _run_path(target, draft, exported.method, k, self.draft_sampling, prompts,
+                          settings, cfg.run.seed)
+        reused = cache.is_file()
+        if reused:
+            found = json.loads(cache.read_text())
+            tokens, seconds = found["tokens"], found["seconds"]
+            per_prompt = [Counters(*c) for c in found["per_prompt"]]
+        else:
+            server = LlamaServer(llama, target, draft, exported.method, k,
+                                 draft_sampling=self.draft_sampling)
+            tokens, per_prompt = [], []
+            with server:
+                start, before = time.perf_counter(), server.counters()
+                for j, prompt in enumerate(prompts):
+                    tokens.append(server.complete(prompt, settings.max_new_tokens,
+                                                  settings.temperature, seed=cfg.run.seed + j))
+                    after = server.counters()
+                    per_prompt.append(per_request(after, before, k))
+                    before = after
+                seconds = time.perf_counter() - start
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.with_suffix(".tmp").write_text(json.dumps(
+                {"tokens": tokens, "seconds": seconds,
+                 "per_prompt": [[c.drafts, c.accepted_per_position, c.drafted_per_position]
+                                for c in per_prompt]}))
+            cache.with_suffix(".tmp").replace(cache)
+        run = EngineRun(tokens, seconds, reused=reused,
+                        report={"llama_cpp_build_seconds": llama.build_seconds})
         if with_draft:
             run.per_prompt = per_prompt
             run.counters = summed(per_prompt, k)
@@ -252,6 +268,21 @@ class LlamaCppEngine:
                               drafting=f"--spec-draft-sampling {self.draft_sampling}")
         return run
 
+
+
+def _run_path(target: Path, draft: Path | None, method: str, k: int, draft_sampling: str,
+              prompts: list[list[int]], settings: DecodeSettings, seed: int) -> Path:
+    """Where a llama-server run is kept: its tokens and counters depend only on the GGUF files,
+    the drafting, the prompts and the sampling (one seed per prompt), so a second check of the
+    same export (another draft temperature on our side) or the target alone beside another
+    draft skips llama.cpp's run. The key holds the llama.cpp version and each GGUF's size and
+    modification time, so a re-converted file misses."""
+    files = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in (target, draft) if f]
+    drafting = [method, k, draft_sampling] if draft else None
+    key = hashlib.sha256(json.dumps(
+        [VERSION, files, drafting, prompts, settings.max_new_tokens, settings.temperature, seed]
+    ).encode()).hexdigest()
+    return cache_root() / "llamacpp-runs" / f"{key[:32]}.json"
 
 
 def _free_port() -> int:

@@ -1,7 +1,9 @@
 """llama.cpp's build, conversion checks and counters, without building it: a machine without
 the tools is told what to install, a failed build leaves nothing behind, a GGUF draft with
-another vocabulary is refused, and llama-server's counters map to tau and alpha_k."""
+another vocabulary is refused, llama-server's counters map to tau and alpha_k, and a run is
+kept and reused until a GGUF changes."""
 
+import json
 import os
 import stat
 
@@ -64,6 +66,31 @@ def test_a_failed_build_leaves_no_build_behind_and_says_where_the_log_is(root, t
     assert not (root / "build").exists() and (root / "build.log").is_file()
 
 
+def test_a_unity_build_that_fails_is_built_again_file_by_file(root, tmp_path, monkeypatch):
+    (root / "llama.cpp").mkdir(parents=True)
+    (root / "llama.cpp" / "convert_hf_to_gguf.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cmake = bin_dir / "cmake"  # configure remembers unity; the build fails for a unity build
+    cmake.write_text(
+        "#!/bin/sh\n"
+        "if [ \"$1\" = -S ]; then echo \"$*\" > \"$4/configured\"; exit 0; fi\n"
+        "if grep -q UNITY_BUILD=ON \"$2/configured\"; then echo 'error: redefinition' >&2; "
+        "exit 2; fi\n"
+        "mkdir -p \"$2/bin\" && touch \"$2/bin/llama-server\"\n")
+    cmake.chmod(cmake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    said = []
+    built = llamacpp.ensure_llamacpp(log=said.append)
+    assert built.server.is_file() and any("unity build failed" in line for line in said)
+    stamp = json.loads((root / "build" / "draftsmith-build.json").read_text())
+    assert stamp["unity_build"] is False
+    log = (root / "build.log").read_text()
+    assert "error: redefinition" in log and "UNITY_BUILD=ON" not in log.split("$ ")[-2]
+    hooks = [line for line in log.splitlines() if "CMAKE_PROJECT_ggml_INCLUDE" in line]
+    assert len(hooks) == 1  # the unity configure, with its exceptions; not the second
+
+
 def _gguf(path, tokens, model="gpt2"):
     import gguf
 
@@ -87,3 +114,58 @@ def test_a_gguf_draft_with_another_vocabulary_is_refused(tmp_path):
         llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "e.gguf", ["<s>", "a", "b"]))
     # an EAGLE-3 head's GGUF carries no vocabulary of its own: it borrows the target's
     llamacpp.check_same_vocabulary(target, _gguf(tmp_path / "head.gguf", [], model=""))
+
+
+def test_a_llamacpp_run_is_kept_and_reused_until_a_gguf_changes(tmp_path, monkeypatch):
+    """The second identical run (another check on our side of the same export) starts no
+    llama-server; a re-written draft GGUF misses the cache."""
+    from types import SimpleNamespace
+
+    from recipe import DecodeSettings
+    from serving.engines import llamacpp as engine
+    from serving.engines.base import Exported
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, llama, target, draft, method, k, draft_sampling):
+            started.append(draft)
+            self.totals = {"drafts": 0, "draft_tokens": 0, "accepted_per_position": [0, 0]}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def counters(self):
+            return {**self.totals,
+                    "accepted_per_position": list(self.totals["accepted_per_position"])}
+
+        def complete(self, prompt, max_tokens, temperature, seed):
+            self.totals["drafts"] += 2
+            self.totals["draft_tokens"] += 4
+            self.totals["accepted_per_position"][0] += 1
+            return [seed, len(prompt)]
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine, "LlamaServer", FakeServer)
+    monkeypatch.setattr(engine, "ensure_llamacpp", lambda: SimpleNamespace(build_seconds=0.0))
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    target.write_bytes(b"target")
+    draft.write_bytes(b"draft")
+    exported = Exported(tmp_path, "draft-simple", 2, {"target": str(target), "draft": str(draft)})
+    cfg = SimpleNamespace(run=SimpleNamespace(seed=7))
+    settings = DecodeSettings(max_new_tokens=2, temperature=1.0)
+
+    def run():
+        return engine.LlamaCppEngine().run(cfg, exported, "unused", [[1, 2], [3]], settings,
+                                           {2}, with_draft=True)
+
+    first, second = run(), run()
+    assert len(started) == 1 and not first.reused and second.reused
+    assert second.tokens == first.tokens == [[7, 2], [8, 1]]
+    assert second.per_prompt == first.per_prompt and second.counters == first.counters
+    assert first.counters.drafts == 4
+    draft.write_bytes(b"draft, converted again")
+    assert not run().reused and len(started) == 2
