@@ -11,6 +11,7 @@ import pytest
 
 from recipe import load_config
 from tests.helpers import (
+    VLLM_STAGE1,
     chat_records,
     recipe_path,
     reset_accelerate,
@@ -103,6 +104,24 @@ def tiny_stage1(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
                             tiny_overrides(tiny_target, prompts, out)), Accelerator(cpu=True))
     reset_accelerate()
     return prompts, out
+
+
+@pytest.fixture(scope="session")
+def vllm_stage1(tmp_path_factory) -> Path:
+    """A run folder holding stage 1 of VLLM_STAGE1 written by the vLLM backend (real target,
+    real vLLM), once per session: the rows the transformers backend and vLLM's OpenAI server
+    must write."""
+    import vllm  # noqa: F401  (installed by the README's setup: a missing vLLM fails, never skips)
+    from accelerate import Accelerator
+
+    from distill import run_distill
+
+    out = tmp_path_factory.mktemp("vllm_stage1") / "run"
+    run_distill(load_config(recipe_path("smollm2-135m-independent"),
+                            [f"run.output_dir={out}", "generation.backend=vllm", *VLLM_STAGE1]),
+                Accelerator(cpu=True))
+    reset_accelerate()
+    return out
 
 
 @pytest.fixture

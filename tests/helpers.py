@@ -266,3 +266,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+VLLM_STAGE1 = ["data.max_prompts=8", "generation.max_new_tokens=32", "generation.batch_size=4",
+               "model.dtype=float32", "generation.vllm_enforce_eager=true",
+               "train.draft=layer-truncated:1"]
+"""Stage 1 of the real SmolLM2 target in fp32, greedy, as the backends are compared on it."""

@@ -39,7 +39,7 @@ def _medusa(target, prompts, reference):
     """Heads fitted briefly to the target's answers (lm_heads kept the target's), so that they
     are right at times and the equality covers accepted tokens."""
     return MedusaDraft(fit_medusa_heads(target, [p + r for p, r in zip(prompts, reference)],
-                                        num_heads=4, steps=15, lr=1e-2, train_lm_heads=False))
+                                        num_heads=4, steps=5, lr=1e-2, train_lm_heads=False))
 
 
 def _eagle3(target):

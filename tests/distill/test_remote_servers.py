@@ -16,6 +16,7 @@ import pytest
 from runfolder import read_columns, read_manifest
 from tests.helpers import (
     ROOT,
+    VLLM_STAGE1,
     chat_records,
     free_port,
     kill_process_tree,
@@ -58,17 +59,12 @@ def _rows(out) -> dict:
 
 
 @pytest.mark.integration
-def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(tmp_path):
-    """The real SmolLM2 target, fp32 greedy: vLLM's offline engine against vLLM's server."""
+def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(vllm_stage1, tmp_path):
+    """The real SmolLM2 target, fp32 greedy: vLLM's offline engine (the session's vllm_stage1)
+    against vLLM's server."""
     from assets.target import resolve_target, vllm_cpu_environment
     from recipe import ModelConfig
 
-    common = ["data.max_prompts=12", "generation.max_new_tokens=32", "model.dtype=float32",
-              "generation.vllm_enforce_eager=true", "train.draft=layer-truncated:1"]
-    offline = _distill([f"run.output_dir={tmp_path / 'offline'}", "generation.backend=vllm",
-                        *common])
-    log = offline.communicate(timeout=600)[0]
-    assert offline.returncode == 0, log[-3000:]
     port = free_port()
     env = {**os.environ, **vllm_cpu_environment(str(tmp_path / "vllm-cache"))}
     server = subprocess.Popen([sys.executable, "-m", "serving.vllm_api", "--model",
@@ -80,17 +76,17 @@ def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(tmp_path):
     try:
         _wait_until_up(url, server)
         remote = _distill([f"run.output_dir={tmp_path / 'remote'}", "generation.backend=openai",
-                           *common, f"generation.openai_endpoints=[{url}]"])
+                           *VLLM_STAGE1, f"generation.openai_endpoints=[{url}]"])
         remote_log = remote.communicate(timeout=600)[0]
     finally:
         kill_process_tree(server.pid)
     assert remote.returncode == 0, remote_log[-3000:]
-    for name, text in (("vLLM offline", log), ("vLLM's OpenAI server", remote_log)):
-        print(name, *[ln for ln in text.splitlines() if "tokens/s" in ln or "servers:" in ln])
+    print("vLLM's OpenAI server", *[ln for ln in remote_log.splitlines()
+                                    if "tokens/s" in ln or "servers:" in ln])
     rows = _rows(tmp_path / "remote")
     assert read_manifest(tmp_path / "remote")["generated_by"] == {"openai": len(rows)}
     assert any("stop" in r["finish_reasons"] for r in rows.values())  # the target ended turns
-    assert rows == _rows(tmp_path / "offline")
+    assert rows == _rows(vllm_stage1)
 
 
 @pytest.mark.slow
