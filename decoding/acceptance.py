@@ -61,7 +61,7 @@ def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
     (sums [k], number of windows).
     """
     if a.shape[1] < k:
-        return torch.zeros(k, dtype=torch.float64), 0
+        return a.new_zeros(k, dtype=torch.float64), 0  # on a's device, as the sums it joins
     return chain_sums(a.double().unfold(1, k, 1), valid.unfold(1, k, 1))  # [B, T-k+1, k] each
 
 

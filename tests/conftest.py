@@ -20,6 +20,25 @@ from tests.helpers import (
     write_jsonl,
 )
 
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--device", default="cpu",
+                     help="the device of the device tier (tests/gpu, marker gpu): cpu, cuda, "
+                          "cuda:1, ... (default cpu)")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The device tier's torch device (--device)."""
+    import torch
+
+    chosen = torch.device(request.config.getoption("--device"))
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        pytest.exit(f"--device {chosen}: torch {torch.__version__} sees no CUDA device here; "
+                    "run the device tier with --device cpu or on a GPU machine.", returncode=2)
+    return chosen
+
+
 FAST_TIER_LIMIT_S = 20.0
 """A fast-tier test whose call or setup takes longer is listed at the end of the run."""
 _fast_tier_over: list[tuple[str, str, float]] = []
