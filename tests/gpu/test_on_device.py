@@ -1,6 +1,6 @@
 """The device tier: what must hold on the accelerator the recipe runs on, with tiny random
 models. The device comes from pytest's --device option (cpu by default: these tests run in the
-fast tier on every CI machine; `python -m eval.gpu_check --device cuda` runs them on a GPU):
+fast tier on every CI machine; `python -m benchmarks.gpu_check --device cuda` runs them on a GPU):
 
     .venv/bin/python -m pytest -m gpu --device cuda
 
@@ -108,12 +108,12 @@ def test_sampling_on_the_device_keeps_the_targets_distribution(target, device, k
 
 
 def _train_step(kind: str, device: torch.device, precision: str) -> tuple[float, float]:
-    """One step of the training loop's micro-step (eval.gpu_check.training_steps) for this kind
-    on a tiny 64-token target, under accelerate with mixed_precision=precision -> (loss per
-    token, gradient norm)."""
+    """One step of the training loop's micro-step (benchmarks.gpu_check.training_steps) for
+    this kind on a tiny 64-token target, under accelerate with mixed_precision=precision ->
+    (loss per token, gradient norm)."""
     from accelerate import Accelerator
 
-    from eval.gpu_check import kind_overrides, training_examples, training_steps
+    from benchmarks.gpu_check import kind_overrides, training_examples, training_steps
     from tests.helpers import reset_accelerate
 
     reset_accelerate()

@@ -1,7 +1,7 @@
 """The device check: the device tier's tests, then throughput probes, on one accelerator.
 
-    python -m eval.gpu_check --device cuda --out gpu-check      # on a GPU (bf16)
-    .venv/bin/python -m eval.gpu_check --device cpu --out gpu-check   # here (fp32, small)
+    python -m benchmarks.gpu_check --device cuda --out gpu-check      # on a GPU (bf16)
+    .venv/bin/python -m benchmarks.gpu_check --device cpu --out gpu-check   # here (fp32, small)
 
 It runs `pytest -m gpu --device DEVICE` (tests/gpu: greedy equality and the sampling
 chi-square for every draft kind and trees, a bf16-autocast training step per kind, the
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, dtype_name)
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"hardware": hardware(device), "torch": torch.__version__, "commit": commit(),
-              "dtype": dtype_name, "command": "python -m eval.gpu_check " + " ".join(
+              "dtype": dtype_name, "command": "python -m benchmarks.gpu_check " + " ".join(
                   sys.argv[1:] if argv is None else argv), "shapes": {}}
     started = time.perf_counter()
     if not args.skip_tests:

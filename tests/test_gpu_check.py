@@ -1,4 +1,4 @@
-"""The device check (eval/gpu_check.py) on this CPU: its probes and report on the tiny shape,
+"""The device check (benchmarks/gpu_check.py) on this CPU: its probes and report on the tiny shape,
 its reading of the device tier's results, and its imports on a machine without datasets, vLLM,
 DeepSpeed or gguf (the GPU machine's environment)."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from eval.gpu_check import main, run_tests
+from benchmarks.gpu_check import main, run_tests
 from tests.helpers import ROOT
 
 HIDDEN = ("datasets", "vllm", "deepspeed", "gguf")
@@ -49,7 +49,7 @@ for name in {HIDDEN!r}:  # as absent as an uninstalled package: import fails, fi
 def test_the_check_and_its_tier_import_without_datasets_vllm_deepspeed_and_gguf(tmp_path):
     script = BLOCK + f"""
 import pytest
-from eval.gpu_check import main
+from benchmarks.gpu_check import main
 assert main(["--device", "cpu", "--out", {str(tmp_path)!r}, "--shapes", "tiny",
              "--skip-tests", "--repeats", "1", "--new-tokens", "4", "--train-steps", "2"]) == 0
 sys.exit(pytest.main(["tests/gpu", "-m", "gpu", "-q", "-p", "no:cacheprovider",
