@@ -17,6 +17,16 @@ from dataclasses import dataclass
 import torch
 
 
+def draw(probs: torch.Tensor, temperature: float, generator=None) -> torch.Tensor:
+    """One token per row: probs [..., V] -> [...]. At temperature 0, probs is sampling_probs'
+    one-hot argmax, read as such: torch.multinomial would draw V exponentials a row for the
+    same token (2.4 ms of a 4-token draft step over SmolLM2's 49,152 tokens on 2 CPU cores)."""
+    if temperature == 0:
+        return probs.argmax(-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
 def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
                    top_k: int = 0) -> torch.Tensor:
     """The distribution decoding samples from: logits [..., V] -> probs [..., V] (float32).

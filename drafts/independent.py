@@ -16,7 +16,7 @@ from torch import nn
 
 from assets.published import layer_parameters
 from decoding.kv import CachedLM
-from decoding.speculative import sampling_probs
+from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
 from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
@@ -204,7 +204,7 @@ class ModelDraft:
             if broken.any():  # lossless fallback: propose from a uniform q, count the row
                 self.failures |= broken
                 q[broken] = 1.0 / q.shape[-1]
-            token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B]
+            token = draw(q, sampling.temperature, generator)  # [B]
             tokens.append(token)
             probs.append(q)
             scores.append(logits)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from decoding.speculative import sampling_probs
+from decoding.speculative import draw, sampling_probs
 from drafts.folders import load_folder, save_folder
 from drafts.kind import (
     LoadedDraft,
@@ -164,8 +164,7 @@ class MedusaDraft:
         dtype = self.heads.lm_heads[0].weight.dtype
         logits = self.heads(self.hidden.to(dtype), k).transpose(0, 1)  # [B, k, V]
         probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(
-            probs.shape[:2])  # [B, k]
+        tokens = draw(probs, sampling.temperature, generator)  # [B, k]
         self.scores = logits  # [B, k, V]
         return tokens, probs
 

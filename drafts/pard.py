@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from decoding.kv import CachedLM
-from decoding.speculative import sampling_probs
+from decoding.speculative import draw, sampling_probs
 from drafts.folders import read_config
 from drafts.independent import Independent, parse_spec, pretrained_draft
 from drafts.kind import (
@@ -95,8 +95,7 @@ class ParallelModelDraft:
             [self.pending_valid, torch.ones_like(masks, dtype=torch.bool)], 1))[:, -k:]
         self.lm.reject_last(torch.full((batch,), k - 1, device=masks.device))
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        self.tokens = torch.multinomial(q.reshape(batch * k, -1), 1,
-                                        generator=generator).view(batch, k)
+        self.tokens = draw(q, sampling.temperature, generator)  # [B, k]
         self.scores = logits  # [B, k, V]
         return self.tokens, q  # [B, k], [B, k, V]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.speculative import sampling_probs
+from decoding.speculative import draw, sampling_probs
 from drafts.dflash.head import DFlashHead
 from drafts.kind import aux_features
 
@@ -56,8 +56,7 @@ class DFlashDraft:
                           self.mask[:, None])  # [B, 1, k+1, H]
         logits = head.lm_head(out[:, 0, 1:])  # [B, k, V]: mask j fills draft position j
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        tokens = torch.multinomial(q.reshape(batch * k, -1), 1, generator=generator)
-        self.tokens = tokens.view(batch, k)
+        self.tokens = draw(q, sampling.temperature, generator)  # [B, k]
         self.scores = logits  # [B, k, V]
         return self.tokens, q  # [B, k], [B, k, V]
 

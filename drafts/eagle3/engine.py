@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.speculative import sampling_probs
+from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
 from drafts.eagle3.head import Eagle3Head, repeat_kv
 from drafts.kind import aux_features
@@ -116,7 +116,7 @@ class Eagle3Draft:
         for i in range(k):
             logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
             q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            token = torch.multinomial(q, 1, generator=generator)[:, 0]  # [B] target ids
+            token = draw(q, sampling.temperature, generator)  # [B] target ids
             tokens.append(token)
             probs.append(q)
             scores.append(logits)
