@@ -96,8 +96,8 @@ def profile(target, prompts, eos, draft, k: int, new_tokens: int) -> dict:
     from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        draft_ms(target, prompts[:1], eos, draft, k, new_tokens)
-    ranges = [e for e in prof.events() if e.name == "draft"]
+        _, steps = draft_ms(target, prompts[:1], eos, draft, k, new_tokens)
+    ranges = [e for e in prof.events() if e.name == "draft"]  # propose and accept, each step
     wall_us = sum(e.cpu_time_total for e in ranges)
     ops: dict[str, list[float]] = {}
     for event in ranges:
@@ -107,10 +107,10 @@ def profile(target, prompts, eos, draft, k: int, new_tokens: int) -> dict:
             entry[1] += 1
     in_ops = sum(us for us, _ in ops.values())
     top = sorted(ops.items(), key=lambda item: -item[1][0])[:12]
-    return {"steps": len(ranges), "draft_ms_per_step": wall_us / 1000 / max(len(ranges), 1),
+    return {"steps": steps, "draft_ms_per_step": wall_us / 1000 / max(steps, 1),
             "outside_operators": 1 - in_ops / wall_us if wall_us else 0.0,
-            "top_ops": [{"op": name, "self_ms_per_step": us / 1000 / max(len(ranges), 1),
-                         "share": us / wall_us, "calls_per_step": n / max(len(ranges), 1)}
+            "top_ops": [{"op": name, "self_ms_per_step": us / 1000 / max(steps, 1),
+                         "share": us / wall_us, "calls_per_step": n / max(steps, 1)}
                         for name, (us, n) in top]}
 
 
