@@ -254,16 +254,10 @@ def probe_engine(target, device, new_tokens: int, k: int, chain_ms: dict) -> dic
             "free_perfect_draft_bound_x": (k + 1) * chain_ms[1] / chain_ms[k + 1]}
 
 
-def reset_accelerate() -> None:
-    """Forget accelerate's process-wide singletons, so the next Accelerator starts afresh."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def probe_training(target, device, precision: str, rows: int, length: int, steps: int) -> dict:
     from accelerate import Accelerator
+
+    from train.loop import reset_accelerate
 
     found = {}
     examples = training_examples(target.config.vocab_size, rows, length)

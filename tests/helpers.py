@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from train.loop import reset_accelerate  # noqa: F401  (the tests' name for it)
+
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: tests name configs/ and distill.py through it, never through the
 working directory."""
@@ -225,14 +227,6 @@ def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
             "train.max_steps=6", "train.warmup_steps=1", "train.learning_rate=3e-3",
             "train.save_every=3", "train.eval_every=3", "train.eval_k=3",
             "train.mixed_precision=no"]
-
-
-def reset_accelerate() -> None:
-    """Forget accelerate's process-wide singletons, so the next Accelerator starts afresh."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def run_recipe(argv: list) -> tuple[int, str, str]:

@@ -194,6 +194,15 @@ def accelerator_kwargs(cfg: Config) -> dict:
     return kwargs
 
 
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide singletons, so the next Accelerator in this process
+    starts afresh (another device, mixed precision or launch)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @contextlib.contextmanager
 def _loaded_whole(accelerator):
     """Models built inside are whole on every process. Under ZeRO-3 accelerate registers its

@@ -46,9 +46,10 @@ UNITY_EXCEPTIONS = {
 A unity build compiles several sources as one: llama.cpp's ~160 model files and mtmd's share
 their headers, and llama-server builds in ~400 s instead of ~490 s on 2 cores (a Xeon with
 AMX, g++ 12). These few files do not compile merged (AMX kernels redefining block types,
-mtmd-helper's guard against mtmd's internal headers); a file per project (CMAKE_PROJECT_<name>_INCLUDE) leaves them out once the
-project's folders are read. Should a unity build still fail (another compiler, another CPU's
-kernels), the build starts again file by file."""
+mtmd-helper's guard against mtmd's internal headers); a file per project
+(CMAKE_PROJECT_<name>_INCLUDE) leaves them out once the project's folders are read. Should a
+unity build still fail (another compiler, another CPU's kernels), the build starts again file
+by file."""
 
 
 def unity_exception(folder: str, *sources: str) -> str:
