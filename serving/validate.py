@@ -24,6 +24,7 @@ Results go to <run>/validate/<the engine's report name> (results.json for vLLM).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -42,7 +43,7 @@ from decoding.acceptance import (
 )
 from decoding.engine import RequestStats, decode_prompts
 from drafts import engine_draft, load_draft
-from recipe import Config, ConfigError, DecodeSettings
+from recipe import Config, ConfigError, DecodeSettings, cache_root
 from runfolder import load_eval_prompts, run_folder
 from serving.engines import ENGINES, Counters, EngineRun, Exported, ServingEngine, make_engine
 from serving.engines.base import summed
@@ -163,7 +164,9 @@ class OurRun:
 
 def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
     """The trained draft in our engine under settings (draft_temperature, draft_top_k: how our
-    draft proposes when sampling, as the engine's does unless told otherwise on purpose)."""
+    draft proposes when sampling, as the engine's does unless told otherwise on purpose). Kept
+    in the cache (our_run_path) and reused: validating the same draft against a second engine,
+    or a broken export against the draft it came from, decodes once."""
     trained = run_folder(cfg).draft
     if not (trained / "config.json").is_file():
         raise ConfigError(f"{trained} holds no trained draft to compare the engine with: run the "
@@ -174,11 +177,40 @@ def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
     prompts, _ = load_eval_prompts(cfg, tokenizer,
                                    getattr(target.config, "max_position_embeddings", None))
     eos = end_of_turn_ids(target, tokenizer)
+    path = our_run_path(resolved.fingerprint, trained, prompts, eos, settings, cfg.run.seed)
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        return OurRun(kept["tokens"], [RequestStats(**s) for s in kept["stats"]], prompts, eos,
+                      kept["draft_name"], target, resolved.path)
     draft = load_draft(str(trained), target, tokenizer, torch.float32, torch.device("cpu"))
     generator = torch.Generator().manual_seed(cfg.run.seed)
     run = decode_prompts(target, prompts, settings, eos, tokenizer.pad_token_id,
                          engine_draft(draft), generator, tokenizer.decode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(
+        {"tokens": run.tokens, "stats": [asdict(s) for s in run.stats], "draft_name": draft.name}))
+    path.with_suffix(".tmp").replace(path)
     return OurRun(run.tokens, run.stats, prompts, eos, draft.name, target, resolved.path)
+
+
+def our_run_path(target_fingerprint: str, draft: Path, prompts: list[list[int]], eos: set[int],
+                 settings: DecodeSettings, seed: int) -> Path:
+    """Where our_run keeps a run: keyed by the target's fingerprint, the draft's weight files
+    (name, size, modification time), the prompts, the stop tokens, the settings, the seed and
+    the source of the engine and the drafts (decoding/, drafts/), so any change decodes anew."""
+    import decoding
+    import drafts
+
+    sources = hashlib.sha256()
+    for package in (decoding, drafts):
+        for file in sorted(Path(package.__file__).parent.rglob("*.py")):
+            sources.update(file.read_bytes())
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                     for f in draft.iterdir() if f.suffix in (".safetensors", ".bin", ".json"))
+    key = hashlib.sha256(json.dumps(
+        [target_fingerprint, weights, prompts, sorted(eos), asdict(settings), seed,
+         sources.hexdigest()], sort_keys=True).encode()).hexdigest()
+    return cache_root() / "validate-ours" / f"{key[:32]}.json"
 
 
 def pooled(requests: list[Counters], k: int) -> tuple[float, list[float], int]:

@@ -4,7 +4,12 @@ stage-1 data from that target written once per session and copied into each test
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -59,6 +64,72 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"{seconds:7.1f} s  {when:5s}  {nodeid}")
 
 
+def llamacpp_for_tests() -> Path:
+    """llama.cpp's build (~5 min on 2 cores) is a tool, not user data: built once per machine
+    for the tests, in a folder of their own (serving/engines/llamacpp_build.py;
+    $DRAFTSMITH_LLAMACPP wins)."""
+    if "DRAFTSMITH_LLAMACPP" not in os.environ:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        os.environ["DRAFTSMITH_LLAMACPP"] = str(Path(base) / "draftsmith-tests" / "llamacpp")
+    return Path(os.environ["DRAFTSMITH_LLAMACPP"])
+
+
+_background_builds: list[tuple[subprocess.Popen, bool]] = []
+"""(process, whether stopping it early is safe)."""
+
+
+def _builds_wanted(items) -> list[tuple[list[str], bool]]:
+    """The tools that the selected slow tests need and that are not built yet, as (command,
+    whether stopping it early is safe): llama.cpp's llama-server (the `llamacpp` fixture; an
+    unfinished build carries no stamp and is started afresh) and DeepSpeed's shared-memory
+    collective op, compiled on DeepSpeed's first CPU launch (~40 s; the tests whose accelerate
+    config is a deepspeed-*.yaml; torch's extension lock would outlive a stopped build)."""
+    from serving.engines.llamacpp_build import VERSION, missing_build_tools
+
+    launched = [item for item in items
+                if item.get_closest_marker("slow") or item.get_closest_marker("integration")]
+    builds = []
+    stamp = llamacpp_for_tests() / VERSION / "build" / "draftsmith-build.json"
+    if (any("llamacpp" in getattr(item, "fixturenames", ()) for item in launched)
+            and not stamp.is_file() and not missing_build_tools()):
+        builds.append(([sys.executable, "-c",
+                        "from serving.engines.llamacpp_build import main; main()"], True))
+    if any("deepspeed" in item.nodeid for item in launched) and find_spec("deepspeed"):
+        builds.append(([sys.executable, "-c",
+                        "from deepspeed.comm.torch import build_shm_op; build_shm_op()"], False))
+    return builds
+
+
+def pytest_collection_finish(session) -> None:
+    """Builds the selected tests will need start at once in the background at the lowest
+    priority: they take the CPU time the tests before them leave idle (one-thread vLLM
+    engines, imports), and the tests that need them wait on each build's own lock (llama.cpp's,
+    torch's extension lock) for whatever is left. Each build stays in pytest's session: with
+    Linux's autogroup scheduling a new session would take its own equal share of the CPU, nice
+    or not."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for i, (command, stoppable) in enumerate(_builds_wanted(session.items)):
+        log = llamacpp_for_tests() / f"background-build-{i}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as out:
+            process = subprocess.Popen(["nice", "-n", "19", *command], stdout=out,
+                                       stderr=subprocess.STDOUT, process_group=0,
+                                       cwd=Path(__file__).parents[1])
+        _background_builds.append((process, stoppable))
+        if reporter:
+            reporter.write_line(f"building in the background (nice 19): {shlex.join(command)}; "
+                                f"log {log}")
+
+
+def pytest_sessionfinish(session) -> None:
+    """Background builds still running when the tests end (they stopped early): llama.cpp's is
+    stopped, DeepSpeed's (seconds) waited for."""
+    for process, stoppable in _background_builds:
+        if stoppable and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        process.wait()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def temporary_cache(tmp_path_factory) -> Path:
     """Every test (and every process a test starts) writes under a temporary cache, never the
@@ -66,12 +137,7 @@ def temporary_cache(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("draftsmith-cache")
     before = os.environ.get("DRAFTSMITH_CACHE")
     os.environ["DRAFTSMITH_CACHE"] = str(cache)
-    # llama.cpp's build (~4 min on 2 cores) is a tool, not user data: built once per machine
-    # for the tests, in a folder of their own (serving/engines/llamacpp_build.py;
-    # $DRAFTSMITH_LLAMACPP wins)
-    if "DRAFTSMITH_LLAMACPP" not in os.environ:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        os.environ["DRAFTSMITH_LLAMACPP"] = str(Path(base) / "draftsmith-tests" / "llamacpp")
+    llamacpp_for_tests()
     yield cache
     if before is None:
         os.environ.pop("DRAFTSMITH_CACHE", None)
@@ -165,8 +231,9 @@ def fresh_accelerate_state():
 
 @pytest.fixture(scope="session")
 def llamacpp():
-    """llama.cpp's llama-server, built once per machine into $DRAFTSMITH_LLAMACPP (~10 minutes
-    on 2 cores the first time): setup that the llama.cpp tests share, timed as such."""
+    """llama.cpp's llama-server, built once per machine into $DRAFTSMITH_LLAMACPP (~5 minutes
+    on 2 cores the first time, less what the background build did: pytest_collection_finish):
+    setup that the llama.cpp tests share, timed as such."""
     from serving.engines.llamacpp_build import ensure_llamacpp
 
     return ensure_llamacpp()

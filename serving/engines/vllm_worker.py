@@ -1,6 +1,7 @@
 """Run real vLLM on token-id prompts, in its own process, and report texts and spec-decode counters.
 
     python -m serving.engines.vllm_worker REQUEST.json RESULT.json
+    python -m serving.engines.vllm_worker --serve REPLY_FD   (requests one after another)
 
 REQUEST: {"target": folder, "dtype": "float32", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [...], "runs": {"<name>": speculative_config or null}, "enforce_eager": bool,
@@ -29,7 +30,9 @@ worker in this process, where the replacement is seen.
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 import time
 
@@ -68,8 +71,22 @@ def _expand_in_place(output, input_val, cu_num_tokens, replace_from, replace_to,
     output[:int(ends[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
+_shipped_expand = None
+
+
+def shipped_cpu_expand() -> None:
+    """vLLM's own fallback back in place (a request before this one may have fixed it)."""
+    from vllm.utils import cpu_triton_utils
+
+    global _shipped_expand
+    if _shipped_expand is None:
+        _shipped_expand = cpu_triton_utils._expand_kernel_impl
+    cpu_triton_utils._expand_kernel_impl = _shipped_expand
+
+
 def fix_cpu_expand() -> None:
-    """Replace the broken fallback before vLLM's worker registers it (worker_base.py)."""
+    """Replace the broken fallback before vLLM's worker registers it (vllm/platforms/cpu.py
+    registers the CPU kernels anew for each engine)."""
     from vllm.utils import cpu_triton_utils
 
     cpu_triton_utils._expand_kernel_impl = _expand_in_place
@@ -110,11 +127,10 @@ def grown(before: dict, after: dict) -> dict:
 
 
 def run(request: dict) -> dict:
-    import os
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     broken = fixed = False
     if request.get("temperature", 0.0) > 0:
+        shipped_cpu_expand()
         broken = cpu_expand_broken()
         if broken and request.get("fix_cpu_expand"):
             fix_cpu_expand()  # seen by the engine because it runs in this process
@@ -156,13 +172,32 @@ def run(request: dict) -> dict:
             result["per_request"] = per_request
         results[name] = result
         del llm
+        gc.collect()  # the engine's KV cache goes before the next engine allocates its own
     return results
 
 
-if __name__ == "__main__":
-    request_path, result_path = sys.argv[1:3]
+def answer(request_path: str, result_path: str) -> None:
     with open(request_path) as f:
         request = json.load(f)
     result = run(request)
     with open(result_path, "w") as f:
         json.dump(result, f)
+
+
+def serve(reply_fd: int) -> None:
+    """Requests one after another in this process, so vLLM is imported once for all of them
+    (~11 s on 2 CPU cores each time): each stdin line is a JSON [request path, result path],
+    answered by "done" on reply_fd once the result is written. A failing request ends the
+    process with its traceback in the log, as a one-request worker does."""
+    with os.fdopen(reply_fd, "w") as reply:
+        for line in sys.stdin:
+            answer(*json.loads(line))
+            reply.write("done\n")
+            reply.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]))
+    else:
+        answer(*sys.argv[1:3])

@@ -89,6 +89,12 @@ def test_a_unity_build_that_fails_is_built_again_file_by_file(root, tmp_path, mo
     assert "error: redefinition" in log and "UNITY_BUILD=ON" not in log.split("$ ")[-2]
     hooks = [line for line in log.splitlines() if "CMAKE_PROJECT_ggml_INCLUDE" in line]
     assert len(hooks) == 1  # the unity configure, with its exceptions; not the second
+    # both builds compile the tools at -O1 and ggml's kernels at the build type's -O3
+    assert log.count("CMAKE_PROJECT_llama.cpp_INCLUDE") == 2
+    hook = (root / "build" / "llama.cpp-hook.cmake").read_text()
+    assert "COMPILE_OPTIONS -O1" in hook and "SKIP_UNITY_BUILD_INCLUSION" not in hook
+    assert "server-context" in hook and "ggml-cpu" not in hook
+    assert stamp["at_o1"] == list(llamacpp.LIGHTLY_OPTIMISED)
 
 
 def _gguf(path, tokens, model="gpt2"):
