@@ -556,6 +556,13 @@ class TrainConfig:
     """Optimizer steps between held-out evaluations (also at step 0 and at the end)."""
     eval_k: int = 4
     """Draft length k of the predicted acceptance (tau, alpha_1..alpha_k) on held-out data."""
+    keep: str = "best"
+    """Which draft train/draft holds at the end: 'best' (the held-out evaluation after an
+    optimizer_step with the highest best_by; written to train/best as it is found, and the last
+    step's draft kept in train/last when it is another) or 'last' (the last step's)."""
+    best_by: str = "greedy_tau"
+    """The held-out figure 'best' maximises: 'greedy_tau' (predicted tau at eval_k for greedy
+    decoding) or 'tau' (for sampling at temperature 1)."""
     max_conversations: int | None = None
     """Train on the first N training conversations by id (a fixed subset, nested across N: the
     tau-vs-data curve trains on 24 < 80 < 240 of one data set); None: all."""
@@ -585,6 +592,9 @@ class TrainConfig:
                      "on_policy_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1.")
+        if self.keep not in ("best", "last") or self.best_by not in ("greedy_tau", "tau"):
+            raise ConfigError(f"train.keep={self.keep!r} / train.best_by={self.best_by!r}: keep "
+                              "is 'best' or 'last', best_by 'greedy_tau' or 'tau'.")
         if self.learning_rate <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("train.learning_rate must be > 0 and train.min_lr_ratio in [0, 1].")
         if self.warmup_steps < 0 or self.warmup_steps >= self.max_steps:

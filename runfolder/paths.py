@@ -43,6 +43,16 @@ class RunFolder:
         return self.root / "train" / "draft"
 
     @property
+    def best(self) -> Path:
+        """The best draft so far by held-out acceptance (train.keep=best), while training."""
+        return self.root / "train" / "best"
+
+    @property
+    def last(self) -> Path:
+        """The last step's draft, where train/draft holds an earlier, better one."""
+        return self.root / "train" / "last"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "train" / "checkpoints"
 

@@ -12,6 +12,7 @@ optimizer_step, and checkpoints hold model, optimizer, RNG and step, so resume i
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -457,7 +458,15 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                                         data.train + data.held_out, signal.aux_layers, pad_id,
                                         dist.rank, dist.world, dist.barrier, accelerator.print)
 
+    if state.optimizer_step == 0:  # a fresh run: no best of an earlier one
+        if dist.is_main:
+            for folder in (run.best, run.last):
+                shutil.rmtree(folder, ignore_errors=True)
+        dist.barrier()
+    best = _best_so_far(run.best)
+
     def held_out_eval() -> dict:
+        nonlocal best
         model.eval()
         result = evaluate_held_out(model, target, held_out, tcfg, accelerator.device,
                                    signal.hidden)
@@ -467,9 +476,16 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                           f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
                           f"alpha {result['alpha']}")
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
+        better = (tcfg.keep == "best" and state.optimizer_step > 0 and
+                  (best is None or result[tcfg.best_by] > best["after"][tcfg.best_by]))
+        if dist.sum(float(better and dist.is_main)) > 0:  # the main process decides for all
+            best = _draft_record(state, before, result)
+            _save_draft(accelerator, dist, model, tokenizer, cfg, run.best, best)
         return result
 
     before = last_eval = held_out_eval() if state.optimizer_step == 0 else None
+    before = before or next((e["held_out"] for e in log.history
+                             if e["optimizer_step"] == 0 and "held_out" in e), None)
     while state.optimizer_step < tcfg.max_steps:
         started = time.perf_counter()
         lr = learning_rate(tcfg, state.optimizer_step)
@@ -487,11 +503,16 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
             _save_checkpoint(accelerator, dist, state, cfg)
     if last_eval is None:  # resumed at the very end
         last_eval = held_out_eval()
-    before = before or next((e["held_out"] for e in log.history
-                             if e["optimizer_step"] == 0 and "held_out" in e), None)
     summary = TrainSummary(run.draft, state.optimizer_step, before, last_eval, state.tokens,
                            state.loss_tokens, state.train_seconds, resumed_from, log.history)
-    _save_draft(accelerator, dist, model, tokenizer, cfg, summary)
+    last = _draft_record(state, before, last_eval)
+    if best is not None and best["optimizer_steps"] != state.optimizer_step:
+        _save_draft(accelerator, dist, model, tokenizer, cfg, run.last, last)
+        summary.after = _keep_best(accelerator, dist, run, best, last, tcfg.best_by)
+    else:
+        _save_draft(accelerator, dist, model, tokenizer, cfg, run.draft, last)
+        if dist.is_main:
+            shutil.rmtree(run.best, ignore_errors=True)  # the same draft as train/draft
     for tracker in accelerator.trackers:  # not end_training(): it ends the process group
         tracker.finish()
     return summary
@@ -587,29 +608,57 @@ def _start_tracking(accelerator, dist: Dist, cfg: Config, out: Path) -> None:
             "wandb": {"name": cfg.run.name, "dir": str(out)}})
 
 
-def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config,
-                summary: TrainSummary) -> None:
-    """The trained draft as an HF folder (LoRA merged), with the resolved config and figures."""
+def _draft_record(state: TrainState, before: dict | None, after: dict) -> dict:
+    """What draftsmith_train.json says of a draft saved after state's optimizer_step."""
+    return {"optimizer_steps": state.optimizer_step, "before": before, "after": after,
+            "tokens": state.tokens, "loss_tokens": state.loss_tokens,
+            "train_seconds": state.train_seconds}
+
+
+def _best_so_far(folder: Path) -> dict | None:
+    """The record of the best draft an interrupted run saved (train/best), if any."""
+    record = folder / "draftsmith_train.json"
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def _keep_best(accelerator, dist: Dist, run, best: dict, last: dict, best_by: str) -> dict:
+    """train/best becomes train/draft, its record naming the step it comes from and the last
+    step's figures (that draft is in train/last) -> the kept draft's held-out figures."""
+    if dist.is_main:
+        kept = {**best, "kept": {"by": best_by, "optimizer_step": best["optimizer_steps"],
+                                 "last_optimizer_step": last["optimizer_steps"],
+                                 "last": last["after"], "last_folder": str(run.last)}}
+        (run.best / "draftsmith_train.json").write_text(json.dumps(kept, indent=2) + "\n")
+        shutil.rmtree(run.draft, ignore_errors=True)
+        os.replace(run.best, run.draft)
+        accelerator.print(f"[train] train/draft holds the best draft by held-out {best_by} "
+                          f"({best['after'][best_by]:.3f}, optimizer_step "
+                          f"{best['optimizer_steps']}); the last step's "
+                          f"({last['after'][best_by]:.3f}, optimizer_step "
+                          f"{last['optimizer_steps']}) is in {run.last}")
+    dist.barrier()
+    return best["after"]
+
+
+def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config, final: Path,
+                record: dict) -> None:
+    """The draft as an HF folder (LoRA merged) in final, with the resolved config and record."""
     state_dict = accelerator.get_state_dict(model)  # gathered from FSDP/ZeRO-3 shards
     if not dist.is_main:
         dist.barrier()
         return
-    final = summary.draft_dir
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     lm = accelerator.unwrap_model(model).lm
     if cfg.train.lora_rank:
-        lm = lm.merge_and_unload()
+        lm = copy.deepcopy(lm).merge_and_unload()  # training may go on with the adapters
         lm.save_pretrained(tmp)
     else:
         lm.save_pretrained(tmp, state_dict={k.removeprefix("lm."): v
                                             for k, v in state_dict.items()})
     tokenizer.save_pretrained(tmp)
     cfg.save(tmp / "config.yaml")
-    (tmp / "draftsmith_train.json").write_text(json.dumps({
-        "optimizer_steps": summary.optimizer_steps, "before": summary.before,
-        "after": summary.after, "tokens": summary.tokens, "loss_tokens": summary.loss_tokens,
-        "train_seconds": summary.train_seconds}, indent=2) + "\n")
+    (tmp / "draftsmith_train.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     accelerator.print(f"[train] draft saved to {final}")

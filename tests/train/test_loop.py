@@ -50,7 +50,8 @@ def test_a_fresh_tiny_draft_learns_the_target(tiny_run):
 
 
 def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
-    cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd")
+    # the last step's draft (the best one survives a kill: tests/train/test_best_draft.py)
+    cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", "train.keep=last")
     _train(cfg)
     full = _losses(cfg.run.output_path)
     full_after = json.loads((cfg.run.output_path / "train" / "draft" /
@@ -60,7 +61,8 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp
     shutil.copytree(cfg.run.output_path, killed)
     shutil.rmtree(killed / "train" / "draft")
     shutil.rmtree(killed / "train" / "checkpoints" / checkpoint_name(6))
-    resumed_cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", f"run.output_dir={killed}")
+    resumed_cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", "train.keep=last",
+                           f"run.output_dir={killed}")
     summary = _train(resumed_cfg)
     assert summary.resumed_from == 3
     resumed = _losses(killed)
