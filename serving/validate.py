@@ -46,7 +46,7 @@ from drafts import engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, cache_root
 from runfolder import load_eval_prompts, run_folder
 from serving.engines import ENGINES, Counters, EngineRun, Exported, ServingEngine, make_engine
-from serving.engines.base import summed
+from serving.engines.base import file_stamps, summed
 
 
 @dataclass
@@ -205,8 +205,8 @@ def our_run_path(target_fingerprint: str, draft: Path, prompts: list[list[int]],
     for package in (decoding, drafts):
         for file in sorted(Path(package.__file__).parent.rglob("*.py")):
             sources.update(file.read_bytes())
-    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                     for f in draft.iterdir() if f.suffix in (".safetensors", ".bin", ".json"))
+    weights = file_stamps(f for f in draft.iterdir()
+                          if f.suffix in (".safetensors", ".bin", ".json"))
     key = hashlib.sha256(json.dumps(
         [target_fingerprint, weights, prompts, sorted(eos), asdict(settings), seed,
          sources.hexdigest()], sort_keys=True).encode()).hexdigest()

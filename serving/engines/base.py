@@ -22,6 +22,12 @@ from recipe import Config, ConfigError, DecodeSettings
 from runfolder import run_folder
 
 
+def file_stamps(files) -> list[tuple[str, int, int]]:
+    """(name, size, modification time) of each file, sorted: what a cached run's key holds of
+    the weights it read, so that re-written weights miss the cache."""
+    return sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
 @dataclass
 class Export:
     """What serving.export wrote."""

@@ -34,6 +34,7 @@ from serving.engines.base import (
     Export,
     Exported,
     as_counters,
+    file_stamps,
     single_export,
     staged,
     target_shape,
@@ -262,8 +263,7 @@ def cached_run(request: dict, speculative: dict | None, cache: Path, run=run_wor
 def _run_path(request: dict, speculative: dict | None, cache: Path) -> Path:
     """Where cached_run keeps the run of request with speculative (None: the target alone)."""
     folders = [request["target"]] + ([speculative["model"]] if speculative else [])
-    weights = [sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                      for f in Path(folder).glob("*.safetensors")) for folder in folders]
+    weights = [file_stamps(Path(folder).glob("*.safetensors")) for folder in folders]
     identity = {key: value for key, value in request.items() if key != "runs"}
     key = hashlib.sha256(json.dumps([identity, speculative, weights, vllm_version()],
                                     sort_keys=True).encode()).hexdigest()
