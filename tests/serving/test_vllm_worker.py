@@ -1,6 +1,7 @@
 """The vLLM worker process kept between requests, without vLLM: its protocol (one request
 per stdin line, "done" on the reply pipe), a failing request reported with its root cause, and
-a fresh worker for the next request and for another environment."""
+a fresh worker for the next request and for another environment (not for another test's name
+in PYTEST_CURRENT_TEST)."""
 
 import json
 import os
@@ -56,6 +57,16 @@ def test_one_worker_answers_request_after_request_and_a_failure_names_its_cause(
     assert again["echo"] == 3 and again["pid"] != first["pid"]
     other = engine.run_worker({"n": 4}, tmp_path / "other-cache")  # another environment
     assert other["pid"] != again["pid"]
+
+
+def test_the_worker_is_kept_across_tests_and_replaced_when_a_variable_vllm_may_read_changes(
+        fake_worker, monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::one (call)")
+    first = engine.run_worker({"n": 1}, tmp_path)
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::two (call)")  # pytest, per test
+    assert engine.run_worker({"n": 2}, tmp_path)["pid"] == first["pid"]
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert engine.run_worker({"n": 3}, tmp_path)["pid"] != first["pid"]
 
 
 def test_the_worker_loop_replies_done_after_each_result(monkeypatch, tmp_path):
