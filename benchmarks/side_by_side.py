@@ -1,0 +1,464 @@
+"""Benchmark: draftsmith's EAGLE-3 trainer next to the field's, on the same conversations, the
+same target features and matched settings, every head measured in one vLLM run.
+
+    .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
+        [--peers speculators] [--epochs 8] [--conversations 200] [--questions 10]
+        [--max-new-tokens 256] [--work DIR] [--write-docs]
+
+Steps, each resumed where a killed run left it (the work folder keeps what is done):
+1. stage 1 of the recipe (our distill stage, its own resume), `--conversations` prompts;
+2. the peer's pinned venv under <cache>/peers (torch 2.13.0 from the CPU wheel first);
+3. the stage-1 split (train and held out by id, as our trainer splits it) and the target's
+   features, computed once by a transformers forward and written in the peer's format (for
+   speculators: a dataset of input_ids / loss_mask / seq_len with the training rows first, and
+   hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
+   final norm, [T, 4, H]); the draft vocabulary (the most frequent training labels) written as
+   the d2t / t2d both trainers use;
+4. our trainer, then each peer's, for the same epochs, wall time and tokens/s measured apart;
+5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
+   each text equals the target's own.
+The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED and
+printed with the table. Results: <work>/results.json; --write-docs puts the table into
+docs/side-by-side.md with the CPU, the commit and this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = {"speculators": "speculators==0.9.0"}
+PEER_ENTRY = {"speculators": ROOT / "benchmarks" / "peer_entry" / "speculators_cpu.py"}
+
+MATCHED = [
+    "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
+    "target features: one transformers forward, fp32, stored in bf16 by both",
+    "one decoder layer over the aux layers of the recipe (vLLM's default ids)",
+    "draft vocabulary: the same d2t / t2d (the recipe's size, most frequent training labels)",
+    "training-time test: the recipe's ttt_steps, step j weighted head_decay**j",
+    "loss: forward KL against the target on the draft vocabulary (speculators' kl_div)",
+    "AdamW, the recipe's peak learning rate, its warmup steps, cosine decay, no weight decay, "
+    "gradients clipped at norm 1",
+    "lm_head frozen at the target's rows of the draft vocabulary; the same epochs",
+    "bf16 autocast where the CPU runs it natively (the recipe's mixed_precision: auto)",
+]
+UNMATCHED = [
+    "batches: ours takes micro_batch_size conversations per optimizer step; speculators packs "
+    "conversations into --total-seq-len tokens per step (so its step count differs: epochs match)",
+    "the cosine floor: ours decays to learning_rate * min_lr_ratio, speculators' to 0",
+    "speculators saves its checkpoints in bf16, ours in fp32",
+    "speculators' sliding-window attention (2,048 tokens) is wider than max_seq_len, so it "
+    "attends as ours does; its norms are switched off to match the EAGLE-3 layer ours trains",
+]
+
+
+# --- peers' environments ---------------------------------------------------------------------
+
+def peer_python(peer: str, log=print) -> Path:
+    """The python of the peer's own venv, made once: torch 2.13.0 (the CPU wheel on disk)
+    first, the pinned peer with torch held to it, then without PyPI's CUDA torchvision /
+    torchaudio / torchcodec, which break `import transformers` beside the CPU torch."""
+    from recipe import cache_root
+
+    spec = PEERS[peer]
+    venv = cache_root() / "peers" / spec.replace("==", "-")
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    if stamp.is_file():
+        return python
+    log(f"[side-by-side] installing {spec} into {venv} (once)")
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text("torch==2.13.0\n")
+    subprocess.run([*pip, "-c", str(constraints), spec], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+    subprocess.run([str(python), "-c", f"import {peer}, transformers"], check=True)
+    stamp.write_text(spec + "\n")
+    return python
+
+
+# --- the shared data -------------------------------------------------------------------------
+
+def draft_vocabulary(examples, vocab_size: int, size: int) -> torch.Tensor:
+    """The draft vocabulary our EAGLE-3 build picks: the `size` most frequent training labels."""
+    from drafts.eagle3 import most_frequent_ids
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(labels, minlength=vocab_size)
+    return most_frequent_ids(counts, size)
+
+
+@torch.no_grad()
+def layer_features(target, input_ids: list[int], aux_layers: list[int]) -> torch.Tensor:
+    """[T, len(aux_layers) + 1, H]: the inputs of the aux decoder layers (HF hidden_states
+    indices) and the last decoder layer's output before the final norm, what speculators
+    stores (the norm and lm_head give the target's logits from it)."""
+    decoder = target.get_decoder()
+    last = {}
+    hook = decoder.layers[-1].register_forward_hook(
+        lambda module, args, output: last.setdefault("h", output[0] if isinstance(output, tuple)
+                                                      else output))
+    try:
+        out = decoder(input_ids=torch.tensor([input_ids]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    layers = [out.hidden_states[i][0] for i in aux_layers] + [last["h"][0]]
+    return torch.stack(layers, dim=1)
+
+
+def write_speculators_data(folder: Path, train, held_out, target, aux_layers: list[int],
+                           draft_ids: torch.Tensor, log=print) -> float:
+    """speculators' offline training data in `folder`, training rows first (its split takes the
+    first int(n * train_data_ratio) rows): returns the ratio that splits exactly there."""
+    from datasets import Dataset
+    from safetensors.torch import load_file, save_file
+
+    from drafts.eagle3 import vocab_maps
+
+    rows = list(train) + list(held_out)
+    hidden = folder / "hidden_states"
+    hidden.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    for i, e in enumerate(rows):
+        path = hidden / f"hs_{i}.safetensors"
+        if path.is_file() and load_file(path)["token_ids"].tolist() == e.input_ids:
+            continue
+        features = layer_features(target, e.input_ids, aux_layers)
+        tmp = path.with_suffix(".tmp")
+        save_file({"hidden_states": features.to(torch.bfloat16).contiguous(),
+                   "token_ids": torch.tensor(e.input_ids)}, str(tmp))
+        tmp.replace(path)
+        if (i + 1) % 50 == 0:
+            log(f"[side-by-side] features {i + 1}/{len(rows)} "
+                f"({time.perf_counter() - start:.0f} s)")
+    if not (folder / "dataset_info.json").is_file():
+        Dataset.from_dict({"input_ids": [e.input_ids for e in rows],
+                           "loss_mask": [e.loss_mask for e in rows],
+                           "seq_len": [len(e.input_ids) for e in rows]}).save_to_disk(str(folder))
+    d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
+    import numpy as np
+
+    np.save(folder / f"d2t-{len(draft_ids)}.npy", d2t.numpy())
+    np.save(folder / f"t2d-{len(draft_ids)}.npy", t2d.numpy())
+    # int(n * ratio) == len(train), half a row clear of either neighbour
+    return (len(train) + 0.5) / len(rows)
+
+
+def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print) -> float:
+    """The largest relative difference between the speculators files and our trainer's own
+    feature cache (aux features; our post-norm last hidden state against the final norm of
+    theirs), over the rows our cache holds: both come from one forward of the same target."""
+    from safetensors.torch import load_file
+
+    from runfolder import run_folder
+
+    cache = run_folder(run_cfg).features
+    shards = sorted(cache.glob("features-*.safetensors")) if cache.is_dir() else []
+    if not shards:
+        log("[side-by-side] our feature cache is not on disk: features not cross-checked")
+        return float("nan")
+    ours = {}
+    for shard in shards:
+        ours.update(load_file(shard))
+    worst = 0.0
+    norm = target.get_decoder().norm
+    for i, e in enumerate(examples):
+        aux_key, last_key = f"{e.id}/aux", f"{e.id}/last"
+        if aux_key not in ours:
+            continue
+        theirs = load_file(folder / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"].float()
+        T = ours[aux_key].shape[0]
+        aux = theirs[:T, :-1].flatten(1)
+        last = norm(theirs[:T, -1])
+        for a, b in ((aux, ours[aux_key].float()), (last, ours[last_key].float())):
+            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+    return worst
+
+
+# --- training --------------------------------------------------------------------------------
+
+def train_ours(cfg, log=print) -> dict:
+    from accelerate import Accelerator
+
+    from serving.export import export_draft
+    from train import train_draft
+    from train.loop import reset_accelerate
+
+    reset_accelerate()
+    start = time.perf_counter()
+    summary = train_draft(cfg, Accelerator(cpu=True))
+    seconds = time.perf_counter() - start
+    exported = export_draft(cfg, cfg.eval.k, log=log)
+    return {"folder": str(exported.folder), "wall_seconds": seconds,
+            "train_seconds": summary.train_seconds, "tokens": summary.tokens,
+            "optimizer_steps": summary.optimizer_steps,
+            "resumed_from": summary.resumed_from}
+
+
+def speculators_flags(cfg, target_path: str, data: Path, save: Path, ratio: float,
+                      epochs: int, aux_layers: list[int], bf16: bool) -> list[str]:
+    t = cfg.train
+    tokens_per_step = t.micro_batch_size * t.max_seq_len
+    return ["--verifier-name-or-path", target_path, "--data-path", str(data),
+            "--speculator-type", "eagle3", "--num-layers", "1",
+            # the EAGLE-3 layer as ours (and vLLM's default) has it: no norms beyond the paper's
+            "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+            "--target-layer-ids", *[str(i) for i in aux_layers],
+            "--draft-vocab-size", str(t.draft_vocab_size),
+            "--ttt-steps", str(t.ttt_steps), "--ttt-step-loss-decay", str(t.head_decay),
+            "--optimizer", "adamw", "--lr", str(t.learning_rate), "--weight-decay", "0",
+            "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
+            "--epochs", str(epochs), "--total-seq-len", str(tokens_per_step),
+            "--train-data-ratio", f"{ratio:.6f}", "--save-path", str(save),
+            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+            "--hidden-states-dtype", "bfloat16" if bf16 else "float32",
+            "--seed", str(cfg.run.seed)]
+
+
+def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    start = time.perf_counter()
+    with log_path.open("a") as log:
+        done = subprocess.run([str(python), str(PEER_ENTRY["speculators"]), *flags], env=env,
+                              cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT,
+                              check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"speculators' trainer failed (exit {done.returncode}); its log "
+                           f"{log_path} ends:\n{tail}")
+    return {"wall_seconds": seconds}
+
+
+def latest_speculators_checkpoint(save: Path) -> Path:
+    """speculators saves <save>/<epoch>/ (config.json + weights): the last epoch's folder."""
+    epochs = [p for p in save.iterdir() if p.is_dir() and p.name.isdigit()
+              and (p / "config.json").is_file()]
+    if not epochs:
+        raise RuntimeError(f"speculators wrote no checkpoint folder under {save}")
+    return max(epochs, key=lambda p: int(p.name))
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+def head_figures(found: dict, reference: list[list[int]]) -> dict:
+    """One head's vLLM run (spec-decode counters, texts) against the target's own texts: tau =
+    1 + accepted / drafts (tokens per target forward), alpha_j = accepted at position j /
+    drafts, and how many texts equal the target's."""
+    drafts = int(found.get("drafts") or 0)
+    accepted = [int(a) for a in found.get("accepted_per_position") or []]
+    return {"tau": 1 + sum(accepted) / drafts if drafts else float("nan"),
+            "alpha": [a / drafts for a in accepted] if drafts else [],
+            "drafts": drafts, "prompts": len(reference),
+            "identical_texts": sum(a == b for a, b in zip(found["tokens"], reference)),
+            "vllm_seconds": found["seconds"]}
+
+
+def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: dict[str, Path],
+            k: int, max_new_tokens: int, cache: Path) -> dict:
+    """Every head and the target alone in one vLLM worker, greedy: tau, alpha_k, texts equal
+    to the target's."""
+    from serving.engines.vllm import run_worker
+
+    runs = {"target": None}
+    for name, folder in heads.items():
+        runs[name] = {"method": "eagle3", "model": str(Path(folder).resolve()),
+                      "num_speculative_tokens": k}
+    request = {"target": target_path, "dtype": "float32", "prompts": prompts,
+               "max_new_tokens": max_new_tokens, "stop_token_ids": sorted(eos),
+               "enforce_eager": True, "runs": runs}
+    result = run_worker(request, cache)
+    table = {name: head_figures(result[name], result["target"]["tokens"]) for name in heads}
+    table["target"] = {"vllm_seconds": result["target"]["seconds"]}
+    return table
+
+
+# --- the command -----------------------------------------------------------------------------
+
+def cpu_description() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
+                  if ln.startswith("Model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in lscpu.splitlines()
+                  if ln.startswith("Flags")), [])
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model}, {os.cpu_count()} cores, flags {' '.join(shown) or 'none of avx2/avx512'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--peers", default="speculators")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=200,
+                        help="stage-1 prompts (data.max_prompts); the held-out share is the "
+                             "recipe's")
+    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    args = parser.parse_args(argv)
+
+    from accelerate import Accelerator
+
+    from assets.chat import render
+    from assets.prompts import load_mtbench
+    from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
+    from distill import run_distill
+    from drafts.eagle3 import check_aux_layers, default_aux_layers
+    from recipe import ConfigError, cache_root, load_config
+    from train.data import load_stage1, truncate
+    from train.loop import reset_accelerate
+
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ConfigError(f"--peers {','.join(unknown)}: known peers are {sorted(PEERS)}.")
+    name = f"{args.config.stem}-{args.conversations}c-{args.epochs}e"
+    work = args.work or cache_root() / "side-by-side" / name
+    work.mkdir(parents=True, exist_ok=True)
+    base = load_config(args.config, [f"run.output_dir={work / 'ours'}",
+                                     f"data.max_prompts={args.conversations}", *args.overrides])
+    if base.train.draft != "eagle3":
+        raise ConfigError(f"{args.config}: train.draft is {base.train.draft!r}; the side by side "
+                          "compares EAGLE-3 trainers (an eagle3 recipe).")
+
+    print(f"[side-by-side] stage 1: {args.conversations} prompts of {args.config.name}")
+    run_distill(base, Accelerator(cpu=True))
+    reset_accelerate()
+    resolved = resolve_target(base.model)
+    tokenizer = load_tokenizer(resolved, base.model.chat_template_kwargs)
+    target = load_target(resolved, "float32", torch.device("cpu"))
+    data = load_stage1(base, resolved.fingerprint)
+    train = [truncate(e, base.train.max_seq_len) for e in data.train]
+    held_out = [truncate(e, base.train.max_seq_len) for e in data.held_out]
+    layers = target.config.num_hidden_layers
+    aux_layers = check_aux_layers(base.train.eagle_aux_layers or default_aux_layers(layers),
+                                  layers)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    draft_ids = draft_vocabulary(train, vocab, base.train.draft_vocab_size or vocab)
+    train_tokens = sum(len(e.input_ids) for e in train)
+    steps = math.ceil(args.epochs * len(train) / base.train.micro_batch_size)
+    print(f"[side-by-side] {len(train)} training conversations ({train_tokens} tokens), "
+          f"{len(held_out)} held out; {args.epochs} epochs = {steps} optimizer steps of ours")
+
+    results_path = work / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results.update(config=str(args.config), epochs=args.epochs, train_conversations=len(train),
+                   held_out_conversations=len(held_out), train_tokens=train_tokens,
+                   cpu=cpu_description(), torch_threads=torch.get_num_threads())
+    trained = results.setdefault("trainers", {})
+
+    # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
+    cfg = load_config(args.config, [f"run.output_dir={work / 'ours'}",
+                                    f"data.max_prompts={args.conversations}",
+                                    f"train.max_steps={steps}", "train.keep=last",
+                                    "train.freeze_embeddings=true", *args.overrides])
+    if "draftsmith" not in trained:
+        trained["draftsmith"] = train_ours(cfg)
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+    bf16 = cfg.train.mixed_precision in ("bf16", "auto") and _native_bf16()
+
+    heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
+    for peer in peers:
+        folder = work / peer
+        if peer not in trained:
+            python = peer_python(peer)
+            data_dir = folder / "data"
+            ratio = write_speculators_data(data_dir, train, held_out, target, aux_layers,
+                                           draft_ids)
+            mismatch = check_features_match_ours(data_dir, cfg, train + held_out, target)
+            flags = speculators_flags(cfg, resolved.path, data_dir, folder / "checkpoints",
+                                      ratio, args.epochs, aux_layers, bf16)
+            print(f"[side-by-side] {peer}: training ({args.epochs} epochs), log "
+                  f"{folder / 'train.log'}")
+            found = train_speculators(python, flags, folder / "train.log")
+            found.update(folder=str(latest_speculators_checkpoint(folder / "checkpoints")),
+                         flags=flags, features_vs_ours=mismatch)
+            trained[peer] = found
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+        heads[peer] = Path(trained[peer]["folder"])
+    for found in trained.values():
+        found["tokens_per_second"] = args.epochs * train_tokens / found["wall_seconds"]
+
+    conversations, _ = load_mtbench()
+    prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
+               for c in conversations[: args.questions]]
+    eos = end_of_turn_ids(target, tokenizer)
+    print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
+          f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
+    results["vllm"] = measure(resolved.path, prompts, eos, heads, cfg.eval.k,
+                              args.max_new_tokens, cache_root() / "vllm")
+    results.update(questions=len(prompts), max_new_tokens=args.max_new_tokens, k=cfg.eval.k)
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    table = render_table(results)
+    print(table)
+    if args.write_docs:
+        write_docs(results, table, argv if argv is not None else sys.argv[1:])
+    return 0
+
+
+def _native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def render_table(results: dict) -> str:
+    lines = ["| trainer | tau | alpha_1..k | texts = target's | wall time | training tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for name, found in results["trainers"].items():
+        v = results["vllm"][name]
+        alpha = " / ".join(f"{a:.3f}" for a in v["alpha"])
+        lines.append(f"| {name} | {v['tau']:.3f} | {alpha} | {v['identical_texts']}/"
+                     f"{v['prompts']} | {found['wall_seconds']:.0f} s | "
+                     f"{found['tokens_per_second']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_docs(results: dict, table: str, argv: list[str]) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True, check=False).stdout.strip()
+    doc = ROOT / "docs" / "side-by-side.md"
+    section = "\n".join([
+        f"## {results['config']}: {results['train_conversations']} training conversations, "
+        f"{results['epochs']} epochs", "",
+        f"{results['cpu']}; {results['torch_threads']} torch threads; commit {commit}; "
+        f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
+        f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
+        f"greedy, k={results['k']}.", "", table, ""])
+    head = "# Side by side with the field's trainers\n\n" + __doc__.split("\n\n", 2)[2]
+    head += "\nMatched:\n" + "".join(f"- {m}\n" for m in MATCHED)
+    head += "\nNot matched:\n" + "".join(f"- {m}\n" for m in UNMATCHED)
+    sections = doc.read_text().split("\n## ")[1:] if doc.is_file() else []
+    title = section.split("\n", 1)[0][3:]
+    kept = [s for s in sections if not s.startswith(title)]
+    doc.write_text(head + "".join("\n## " + s for s in kept) + "\n" + section)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

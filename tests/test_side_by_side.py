@@ -1,0 +1,107 @@
+"""The side-by-side benchmark's own pieces (benchmarks/side_by_side.py), on a tiny random
+Llama: the features in speculators' layout, its data folder as its loader splits it, the draft
+vocabulary maps, the last checkpoint, the acceptance figures. Training the peers and vLLM is
+the benchmark's job, not a test's."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.side_by_side import (
+    head_figures,
+    latest_speculators_checkpoint,
+    layer_features,
+    render_table,
+    write_speculators_data,
+)
+from drafts.eagle3 import target_ids
+from tests.helpers import tiny_llama
+from train.data import Example
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(96, layers=4)
+
+
+def _examples(n: int, seed: int) -> list[Example]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(6, 14, (1,), generator=g))
+        ids = torch.randint(0, 96, (length,), generator=g).tolist()
+        rows.append(Example(f"{seed}-{i}", ids, [0] * 3 + [1] * (length - 3)))
+    return rows
+
+
+def test_features_are_the_aux_layer_inputs_and_the_last_layer_before_the_final_norm(target):
+    ids = [5, 17, 3, 88, 41, 9]
+    features = layer_features(target, ids, [1, 2, 3])  # [T, 4, H]
+    out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    assert features.shape == (6, 4, 64)
+    for slot, layer in enumerate([1, 2, 3]):
+        torch.testing.assert_close(features[:, slot], out.hidden_states[layer][0])
+    torch.testing.assert_close(target.model.norm(features[:, 3]), out.last_hidden_state[0])
+    assert not torch.allclose(features[:, 3], out.last_hidden_state[0])  # before the norm
+
+
+def test_speculators_data_splits_where_ours_does_and_is_written_once(target, tmp_path):
+    from datasets import load_from_disk
+    from safetensors.torch import load_file, save_file
+
+    train, held_out = _examples(7, 0), _examples(2, 1)
+    draft_ids = torch.tensor([2, 5, 9, 40, 77])
+    ratio = write_speculators_data(tmp_path, train, held_out, target, [1, 2, 3], draft_ids,
+                                   log=lambda *a: None)
+    rows = load_from_disk(str(tmp_path))
+    assert int(len(rows) * ratio) == len(train)  # speculators' split: the first int(n * ratio)
+    assert rows["input_ids"] == [e.input_ids for e in train + held_out]
+    assert rows["loss_mask"] == [e.loss_mask for e in train + held_out]
+    assert rows["seq_len"] == [len(e.input_ids) for e in train + held_out]
+    for i, e in enumerate(train + held_out):
+        saved = load_file(tmp_path / "hidden_states" / f"hs_{i}.safetensors")
+        assert saved["token_ids"].tolist() == e.input_ids
+        assert saved["hidden_states"].shape == (len(e.input_ids), 4, 64)
+        assert saved["hidden_states"].dtype == torch.bfloat16
+    d2t = torch.from_numpy(np.load(tmp_path / "d2t-5.npy"))
+    t2d = torch.from_numpy(np.load(tmp_path / "t2d-5.npy"))
+    assert target_ids(torch.arange(5), d2t).tolist() == draft_ids.tolist()
+    assert t2d.nonzero().flatten().tolist() == draft_ids.tolist()
+
+    first = tmp_path / "hidden_states" / "hs_0.safetensors"
+    stale = tmp_path / "hidden_states" / "hs_1.safetensors"
+    save_file({"hidden_states": torch.zeros(2, 4, 64), "token_ids": torch.tensor([1, 2])},
+              str(stale))  # another conversation's file
+    stamp = first.stat().st_mtime_ns
+    write_speculators_data(tmp_path, train, held_out, target, [1, 2, 3], draft_ids,
+                           log=lambda *a: None)
+    assert first.stat().st_mtime_ns == stamp  # kept
+    assert load_file(stale)["token_ids"].tolist() == train[1].input_ids  # rewritten
+
+
+def test_the_last_epochs_checkpoint_is_taken(tmp_path):
+    with pytest.raises(RuntimeError, match="no checkpoint folder"):
+        latest_speculators_checkpoint(tmp_path)
+    for epoch in (0, 1, 10):
+        (tmp_path / str(epoch)).mkdir()
+        (tmp_path / str(epoch) / "config.json").write_text("{}")
+    (tmp_path / "11").mkdir()  # an epoch being written: no config yet
+    (tmp_path / "best").symlink_to("1")
+    assert latest_speculators_checkpoint(tmp_path) == tmp_path / "10"
+
+
+def test_acceptance_figures_from_vllms_counters():
+    reference = [[1, 2, 3], [4, 5], [6]]
+    found = {"drafts": 10, "accepted_per_position": [6, 3, 1, 0], "seconds": 2.5,
+             "tokens": [[1, 2, 3], [4, 9], [6]]}
+    figures = head_figures(found, reference)
+    assert figures["tau"] == pytest.approx(2.0)
+    assert figures["alpha"] == pytest.approx([0.6, 0.3, 0.1, 0.0])
+    assert (figures["identical_texts"], figures["prompts"]) == (2, 3)
+    table = render_table({"trainers": {"draftsmith": {"wall_seconds": 100.4,
+                                                      "tokens_per_second": 321.6}},
+                          "vllm": {"draftsmith": figures}})
+    assert "| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 322 |" in table
+    json.dumps(figures)  # results.json holds it
