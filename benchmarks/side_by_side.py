@@ -3,7 +3,7 @@ same target features and matched settings, every head measured in one vLLM run.
 
     .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
         [--peers speculators] [--epochs 8] [--conversations 200] [--questions 10]
-        [--max-new-tokens 256] [--work DIR] [--write-docs]
+        [--max-new-tokens 256] [--work DIR] [--write-docs] [recipe overrides key=value ...]
 
 Steps, each resumed where a killed run left it (the work folder keeps what is done):
 1. stage 1 of the recipe (our distill stage, its own resume), `--conversations` prompts;
@@ -14,12 +14,14 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
    final norm, [T, 4, H]); the draft vocabulary (the most frequent training labels) written as
    the d2t / t2d both trainers use;
-4. our trainer, then each peer's, for the same epochs, wall time and tokens/s measured apart;
+4. our trainer, then each peer's, for the same epochs: the wall time of each (features
+   excluded: they are shared) and the training tokens/s of its optimizer steps, as each
+   trainer's own clock times them;
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED and
-printed with the table. Results: <work>/results.json; --write-docs puts the table into
-docs/side-by-side.md with the CPU, the commit and this command.
+printed with the table. Results: <work>/<epochs>-epochs/results.json; --write-docs puts the
+table into docs/side-by-side.md with the CPU, the commit and this command.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ MATCHED = [
 ]
 UNMATCHED = [
     "batches: ours takes micro_batch_size conversations per optimizer step; speculators packs "
-    "conversations into --total-seq-len tokens per step (so its step count differs: epochs match)",
+    "conversations into a token budget per step (--total-seq-len), set to micro_batch_size times "
+    "the mean training conversation's length, so tokens per step match on average and the step "
+    "counts differ a little",
     "the cosine floor: ours decays to learning_rate * min_lr_ratio, speculators' to 0",
     "speculators saves its checkpoints in bf16, ours in fp32",
     "speculators' sliding-window attention (2,048 tokens) is wider than max_seq_len, so it "
@@ -148,10 +152,18 @@ def write_speculators_data(folder: Path, train, held_out, target, aux_layers: li
         if (i + 1) % 50 == 0:
             log(f"[side-by-side] features {i + 1}/{len(rows)} "
                 f"({time.perf_counter() - start:.0f} s)")
-    if not (folder / "dataset_info.json").is_file():
-        Dataset.from_dict({"input_ids": [e.input_ids for e in rows],
-                           "loss_mask": [e.loss_mask for e in rows],
-                           "seq_len": [len(e.input_ids) for e in rows]}).save_to_disk(str(folder))
+    # rewritten each time (it is small), in torch format as its loader reads it
+    staged = folder / ".dataset.tmp"
+    shutil.rmtree(staged, ignore_errors=True)
+    Dataset.from_dict({"input_ids": [e.input_ids for e in rows],
+                       "loss_mask": [e.loss_mask for e in rows],
+                       "seq_len": [len(e.input_ids) for e in rows]}).with_format(
+        "torch").save_to_disk(str(staged))
+    for old in folder.glob("data-*.arrow"):
+        old.unlink()
+    for part in staged.iterdir():
+        part.replace(folder / part.name)
+    staged.rmdir()
     d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
     import numpy as np
 
@@ -183,7 +195,8 @@ def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print
         aux_key, last_key = f"{e.id}/aux", f"{e.id}/last"
         if aux_key not in ours:
             continue
-        theirs = load_file(folder / "hidden_states" / f"hs_{i}.safetensors")["hidden_states"].float()
+        path = folder / "hidden_states" / f"hs_{i}.safetensors"
+        theirs = load_file(path)["hidden_states"].float()
         T = ours[aux_key].shape[0]
         aux = theirs[:T, :-1].flatten(1)
         last = norm(theirs[:T, -1])
@@ -194,7 +207,21 @@ def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print
 
 # --- training --------------------------------------------------------------------------------
 
+def share_stage1(stage1: Path, run: Path) -> Path:
+    """A run folder for one training budget whose stage-1 data, manifest and offline features
+    are those of `stage1` (links): every budget trains on the same conversations and features."""
+    run.mkdir(parents=True, exist_ok=True)
+    (stage1 / "features").mkdir(exist_ok=True)
+    for name in ("manifest.json", "data", "features"):
+        link = run / name
+        if not link.is_symlink():
+            link.symlink_to(stage1 / name)
+    return run
+
+
 def train_ours(cfg, log=print) -> dict:
+    """Our trainer on the recipe; its offline features are written before the clock starts
+    (the peers' are written by write_speculators_data, outside theirs)."""
     from accelerate import Accelerator
 
     from serving.export import export_draft
@@ -207,15 +234,46 @@ def train_ours(cfg, log=print) -> dict:
     seconds = time.perf_counter() - start
     exported = export_draft(cfg, cfg.eval.k, log=log)
     return {"folder": str(exported.folder), "wall_seconds": seconds,
-            "train_seconds": summary.train_seconds, "tokens": summary.tokens,
-            "optimizer_steps": summary.optimizer_steps,
-            "resumed_from": summary.resumed_from}
+            "step_seconds": summary.train_seconds, "step_tokens": summary.tokens,
+            "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from}
+
+
+def same_vocabulary(head_folder: Path, draft_ids: torch.Tensor) -> bool:
+    """Whether the head in `head_folder` maps its draft tokens to exactly `draft_ids`."""
+    from safetensors import safe_open
+
+    from drafts.eagle3 import target_ids
+
+    with safe_open(str(head_folder / "model.safetensors"), "pt") as f:
+        d2t = f.get_tensor("d2t")
+    return len(d2t) == len(draft_ids) and bool(
+        (target_ids(torch.arange(len(d2t)), d2t) == draft_ids).all())
+
+
+def write_our_features(cfg, target, fingerprint: str, examples, aux_layers, pad_id: int) -> None:
+    from train.features import feature_cache
+
+    feature_cache(cfg, target, fingerprint, examples, aux_layers, pad_id)
+
+
+def speculators_steps(log_text: str) -> dict:
+    """Its optimizer steps as its own log times them (profile/step_ms and profile/tokens_per_s,
+    printed per step): the seconds and tokens of the steps alone."""
+    import re
+
+    ms = [float(v) for v in re.findall(r"profile/step_ms=([0-9.e+-]+)", log_text)]
+    rates = [float(v) for v in re.findall(r"profile/tokens_per_s=([0-9.e+-]+)", log_text)]
+    if not ms or len(ms) != len(rates):
+        raise RuntimeError("speculators' log holds no per-step timing (profile/step_ms, "
+                           "profile/tokens_per_s): it changed format or trained no step")
+    return {"optimizer_steps": len(ms), "step_seconds": sum(ms) / 1000,
+            "step_tokens": sum(r * m / 1000 for r, m in zip(rates, ms))}
 
 
 def speculators_flags(cfg, target_path: str, data: Path, save: Path, ratio: float,
-                      epochs: int, aux_layers: list[int], bf16: bool) -> list[str]:
+                      epochs: int, aux_layers: list[int], bf16: bool,
+                      tokens_per_step: int) -> list[str]:
     t = cfg.train
-    tokens_per_step = t.micro_batch_size * t.max_seq_len
     return ["--verifier-name-or-path", target_path, "--data-path", str(data),
             "--speculator-type", "eagle3", "--num-layers", "1",
             # the EAGLE-3 layer as ours (and vLLM's default) has it: no norms beyond the paper's
@@ -234,6 +292,7 @@ def speculators_flags(cfg, target_path: str, data: Path, save: Path, ratio: floa
 
 def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with log_path.open("a") as log:
         done = subprocess.run([str(python), str(PEER_ENTRY["speculators"]), *flags], env=env,
@@ -336,10 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ConfigError(f"--peers {','.join(unknown)}: known peers are {sorted(PEERS)}.")
-    name = f"{args.config.stem}-{args.conversations}c-{args.epochs}e"
-    work = args.work or cache_root() / "side-by-side" / name
-    work.mkdir(parents=True, exist_ok=True)
-    base = load_config(args.config, [f"run.output_dir={work / 'ours'}",
+    work = args.work or cache_root() / "side-by-side" / f"{args.config.stem}-{args.conversations}"
+    budget = work / f"{args.epochs}-epochs"  # stage 1 and the features serve every budget
+    budget.mkdir(parents=True, exist_ok=True)
+    base = load_config(args.config, [f"run.output_dir={work / 'stage1'}",
                                      f"data.max_prompts={args.conversations}", *args.overrides])
     if base.train.draft != "eagle3":
         raise ConfigError(f"{args.config}: train.draft is {base.train.draft!r}; the side by side "
@@ -364,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[side-by-side] {len(train)} training conversations ({train_tokens} tokens), "
           f"{len(held_out)} held out; {args.epochs} epochs = {steps} optimizer steps of ours")
 
-    results_path = work / "results.json"
+    results_path = budget / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     results.update(config=str(args.config), epochs=args.epochs, train_conversations=len(train),
                    held_out_conversations=len(held_out), train_tokens=train_tokens,
@@ -372,36 +431,48 @@ def main(argv: list[str] | None = None) -> int:
     trained = results.setdefault("trainers", {})
 
     # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
-    cfg = load_config(args.config, [f"run.output_dir={work / 'ours'}",
+    ours = share_stage1(work / "stage1", budget / "ours")
+    cfg = load_config(args.config, [f"run.output_dir={ours}",
                                     f"data.max_prompts={args.conversations}",
                                     f"train.max_steps={steps}", "train.keep=last",
                                     "train.freeze_embeddings=true", *args.overrides])
     if "draftsmith" not in trained:
+        write_our_features(cfg, target, resolved.fingerprint, data.train + data.held_out,
+                           aux_layers, tokenizer.pad_token_id)
         trained["draftsmith"] = train_ours(cfg)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
     bf16 = cfg.train.mixed_precision in ("bf16", "auto") and _native_bf16()
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
+    results["same_draft_vocabulary"] = same_vocabulary(heads["draftsmith"], draft_ids)
+    if not results["same_draft_vocabulary"]:
+        print("[side-by-side] our head's draft vocabulary differs from the one given to the "
+              "peers: the comparison is not on equal terms (see results.json)")
     for peer in peers:
-        folder = work / peer
+        folder = budget / peer
         if peer not in trained:
             python = peer_python(peer)
-            data_dir = folder / "data"
+            data_dir = work / f"{peer}-data"
             ratio = write_speculators_data(data_dir, train, held_out, target, aux_layers,
                                            draft_ids)
             mismatch = check_features_match_ours(data_dir, cfg, train + held_out, target)
+            # its steps pack conversations into a token budget: ours take micro_batch_size
+            # conversations, so the budget is that many of the mean training length
+            per_step = max(cfg.train.max_seq_len,
+                           round(cfg.train.micro_batch_size * train_tokens / len(train)))
             flags = speculators_flags(cfg, resolved.path, data_dir, folder / "checkpoints",
-                                      ratio, args.epochs, aux_layers, bf16)
+                                      ratio, args.epochs, aux_layers, bf16, per_step)
             print(f"[side-by-side] {peer}: training ({args.epochs} epochs), log "
                   f"{folder / 'train.log'}")
             found = train_speculators(python, flags, folder / "train.log")
+            found.update(speculators_steps((folder / "train.log").read_text()))
             found.update(folder=str(latest_speculators_checkpoint(folder / "checkpoints")),
                          flags=flags, features_vs_ours=mismatch)
             trained[peer] = found
             results_path.write_text(json.dumps(results, indent=2) + "\n")
         heads[peer] = Path(trained[peer]["folder"])
     for found in trained.values():
-        found["tokens_per_second"] = args.epochs * train_tokens / found["wall_seconds"]
+        found["tokens_per_second"] = found["step_tokens"] / found["step_seconds"]
 
     conversations, _ = load_mtbench()
     prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
@@ -429,14 +500,14 @@ def _native_bf16() -> bool:
 
 
 def render_table(results: dict) -> str:
-    lines = ["| trainer | tau | alpha_1..k | texts = target's | wall time | training tokens/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| trainer | tau | alpha_1..k | texts = target's | wall time | optimizer steps | "
+             "training tokens/s |", "|---|---|---|---|---|---|---|"]
     for name, found in results["trainers"].items():
         v = results["vllm"][name]
         alpha = " / ".join(f"{a:.3f}" for a in v["alpha"])
         lines.append(f"| {name} | {v['tau']:.3f} | {alpha} | {v['identical_texts']}/"
                      f"{v['prompts']} | {found['wall_seconds']:.0f} s | "
-                     f"{found['tokens_per_second']:.0f} |")
+                     f"{found['optimizer_steps']} | {found['tokens_per_second']:.0f} |")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from benchmarks.side_by_side import (
     latest_speculators_checkpoint,
     layer_features,
     render_table,
+    speculators_steps,
     write_speculators_data,
 )
 from drafts.eagle3 import target_ids
@@ -56,6 +57,8 @@ def test_speculators_data_splits_where_ours_does_and_is_written_once(target, tmp
     ratio = write_speculators_data(tmp_path, train, held_out, target, [1, 2, 3], draft_ids,
                                    log=lambda *a: None)
     rows = load_from_disk(str(tmp_path))
+    assert isinstance(rows[0]["input_ids"], torch.Tensor)  # the format its loader compares in
+    rows = rows.with_format(None)
     assert int(len(rows) * ratio) == len(train)  # speculators' split: the first int(n * ratio)
     assert rows["input_ids"] == [e.input_ids for e in train + held_out]
     assert rows["loss_mask"] == [e.loss_mask for e in train + held_out]
@@ -100,8 +103,28 @@ def test_acceptance_figures_from_vllms_counters():
     assert figures["tau"] == pytest.approx(2.0)
     assert figures["alpha"] == pytest.approx([0.6, 0.3, 0.1, 0.0])
     assert (figures["identical_texts"], figures["prompts"]) == (2, 3)
-    table = render_table({"trainers": {"draftsmith": {"wall_seconds": 100.4,
+    table = render_table({"trainers": {"draftsmith": {"wall_seconds": 100.4, "optimizer_steps": 6,
                                                       "tokens_per_second": 321.6}},
                           "vllm": {"draftsmith": figures}})
-    assert "| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 322 |" in table
+    assert "| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 6 | 322 |" in table
     json.dumps(figures)  # results.json holds it
+
+
+SPECULATORS_LOG = """\
+[14:03:46] INFO     train/loss_0=10.524, train/full_acc_0=0.003,  trainer.py:587
+                    profile/fwd_ms=1.20e+04,
+                    profile/step_ms=2.47e+04,
+                    profile/tokens_per_s=147.037,
+                    epoch=0, lr=0.002, global_step=1
+[14:04:10] INFO     train/loss_0=9.1, profile/step_ms=500.0,
+                    profile/tokens_per_s=1000.0, epoch=0, global_step=2
+"""
+
+
+def test_speculators_steps_are_timed_by_its_own_log():
+    steps = speculators_steps(SPECULATORS_LOG)
+    assert steps["optimizer_steps"] == 2
+    assert steps["step_seconds"] == pytest.approx(24.7 + 0.5)
+    assert steps["step_tokens"] == pytest.approx(147.037 * 24.7 + 500.0)
+    with pytest.raises(RuntimeError, match="no per-step timing"):
+        speculators_steps("Traceback ...")
