@@ -12,8 +12,8 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    features, computed once by a transformers forward and written in the peer's format (for
    speculators: a dataset of input_ids / loss_mask / seq_len with the training rows first, and
    hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
-   final norm, [T, 4, H]); the draft vocabulary (the most frequent training labels) written as
-   the d2t / t2d both trainers use;
+   final norm, [T, 4, H]); the draft vocabulary our trainer picked (the most frequent training
+   labels) written as the peer's d2t / t2d;
 4. our trainer, then each peer's, for the same epochs: the wall time of each (features
    excluded: they are shared) and the training tokens/s of its optimizer steps, as each
    trainer's own clock times them;
@@ -97,17 +97,6 @@ def peer_python(peer: str, log=print) -> Path:
 
 
 # --- the shared data -------------------------------------------------------------------------
-
-def draft_vocabulary(examples, vocab_size: int, size: int) -> torch.Tensor:
-    """The draft vocabulary our EAGLE-3 build picks: the `size` most frequent training labels."""
-    from drafts.eagle3 import most_frequent_ids
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for e in examples:
-        labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
-        counts += torch.bincount(labels, minlength=vocab_size)
-    return most_frequent_ids(counts, size)
-
 
 @torch.no_grad()
 def layer_features(target, input_ids: list[int], aux_layers: list[int]) -> torch.Tensor:
@@ -238,16 +227,16 @@ def train_ours(cfg, log=print) -> dict:
             "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from}
 
 
-def same_vocabulary(head_folder: Path, draft_ids: torch.Tensor) -> bool:
-    """Whether the head in `head_folder` maps its draft tokens to exactly `draft_ids`."""
+def head_vocabulary(head_folder: Path) -> torch.Tensor:
+    """The target ids of an exported EAGLE-3 head's draft vocabulary, [Vd] sorted: what our
+    trainer picked (the most frequent training labels), given to the peers as their d2t/t2d."""
     from safetensors import safe_open
 
     from drafts.eagle3 import target_ids
 
     with safe_open(str(head_folder / "model.safetensors"), "pt") as f:
         d2t = f.get_tensor("d2t")
-    return len(d2t) == len(draft_ids) and bool(
-        (target_ids(torch.arange(len(d2t)), d2t) == draft_ids).all())
+    return target_ids(torch.arange(len(d2t)), d2t)
 
 
 def write_our_features(cfg, target, fingerprint: str, examples, aux_layers, pad_id: int) -> None:
@@ -416,8 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     layers = target.config.num_hidden_layers
     aux_layers = check_aux_layers(base.train.eagle_aux_layers or default_aux_layers(layers),
                                   layers)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    draft_ids = draft_vocabulary(train, vocab, base.train.draft_vocab_size or vocab)
     train_tokens = sum(len(e.input_ids) for e in train)
     steps = math.ceil(args.epochs * len(train) / base.train.micro_batch_size)
     print(f"[side-by-side] {len(train)} training conversations ({train_tokens} tokens), "
@@ -444,10 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = cfg.train.mixed_precision in ("bf16", "auto") and _native_bf16()
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
-    results["same_draft_vocabulary"] = same_vocabulary(heads["draftsmith"], draft_ids)
-    if not results["same_draft_vocabulary"]:
-        print("[side-by-side] our head's draft vocabulary differs from the one given to the "
-              "peers: the comparison is not on equal terms (see results.json)")
+    draft_ids = head_vocabulary(heads["draftsmith"])
     for peer in peers:
         folder = budget / peer
         if peer not in trained:

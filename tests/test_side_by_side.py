@@ -11,13 +11,14 @@ import torch
 
 from benchmarks.side_by_side import (
     head_figures,
+    head_vocabulary,
     latest_speculators_checkpoint,
     layer_features,
     render_table,
     speculators_steps,
     write_speculators_data,
 )
-from drafts.eagle3 import target_ids
+from drafts.eagle3 import target_ids, vocab_maps
 from tests.helpers import tiny_llama
 from train.data import Example
 
@@ -128,3 +129,13 @@ def test_speculators_steps_are_timed_by_its_own_log():
     assert steps["step_tokens"] == pytest.approx(147.037 * 24.7 + 500.0)
     with pytest.raises(RuntimeError, match="no per-step timing"):
         speculators_steps("Traceback ...")
+
+
+def test_the_peers_get_the_draft_vocabulary_of_our_exported_head(tmp_path):
+    from safetensors.torch import save_file
+
+    draft_ids = torch.tensor([0, 3, 4, 50, 95])
+    d2t, t2d = vocab_maps(draft_ids, 96)
+    save_file({"d2t": d2t, "t2d": t2d, "fc.weight": torch.zeros(2, 2)},
+              str(tmp_path / "model.safetensors"))
+    assert head_vocabulary(tmp_path).tolist() == draft_ids.tolist()
