@@ -501,7 +501,7 @@ def write_docs(results: dict, table: str, argv: list[str]) -> None:
     doc = ROOT / "docs" / "side-by-side.md"
     section = "\n".join([
         f"## {results['config']}: {results['train_conversations']} training conversations, "
-        f"{results['epochs']} epochs", "",
+        f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}", "",
         f"{results['cpu']}; {results['torch_threads']} torch threads; commit {commit}; "
         f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
         f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
