@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.architecture_matrix import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = {"speculators": "speculators==0.9.0"}
@@ -209,17 +210,18 @@ def share_stage1(stage1: Path, run: Path) -> Path:
 
 
 def train_ours(cfg, log=print) -> dict:
-    """Our trainer on the recipe; its offline features are written before the clock starts
-    (the peers' are written by write_speculators_data, outside theirs)."""
+    """Our trainer on the recipe, with the Accelerator distill.py gives it (the recipe's mixed
+    precision); its offline features are written before the clock starts (the peers' are
+    written by write_speculators_data, outside theirs)."""
     from accelerate import Accelerator
 
     from serving.export import export_draft
     from train import train_draft
-    from train.loop import reset_accelerate
+    from train.loop import accelerator_kwargs, reset_accelerate
 
     reset_accelerate()
     start = time.perf_counter()
-    summary = train_draft(cfg, Accelerator(cpu=True))
+    summary = train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
     seconds = time.perf_counter() - start
     exported = export_draft(cfg, cfg.eval.k, log=log)
     return {"folder": str(exported.folder), "wall_seconds": seconds,
@@ -340,19 +342,6 @@ def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: di
 
 # --- the command -----------------------------------------------------------------------------
 
-def cpu_description() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines()
-                  if ln.startswith("Model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in lscpu.splitlines()
-                  if ln.startswith("Flags")), [])
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, flags {' '.join(shown) or 'none of avx2/avx512'}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     from drafts.eagle3 import check_aux_layers, default_aux_layers
     from recipe import ConfigError, cache_root, load_config
     from train.data import load_stage1, truncate
-    from train.loop import reset_accelerate
+    from train.loop import accelerator_kwargs, reset_accelerate
 
     peers = [p for p in args.peers.split(",") if p]
     unknown = sorted(set(peers) - set(PEERS))
@@ -414,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     results.update(config=str(args.config), epochs=args.epochs, train_conversations=len(train),
                    held_out_conversations=len(held_out), train_tokens=train_tokens,
-                   cpu=cpu_description(), torch_threads=torch.get_num_threads())
+                   cpu=cpu_name(), torch_threads=torch.get_num_threads())
     trained = results.setdefault("trainers", {})
 
     # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
@@ -428,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                            aux_layers, tokenizer.pad_token_id)
         trained["draftsmith"] = train_ours(cfg)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
-    bf16 = cfg.train.mixed_precision in ("bf16", "auto") and _native_bf16()
+    bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
     draft_ids = head_vocabulary(heads["draftsmith"])
@@ -473,14 +462,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         write_docs(results, table, argv if argv is not None else sys.argv[1:])
     return 0
-
-
-def _native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def render_table(results: dict) -> str:
