@@ -241,12 +241,6 @@ def head_vocabulary(head_folder: Path) -> torch.Tensor:
     return target_ids(torch.arange(len(d2t)), d2t)
 
 
-def write_our_features(cfg, target, fingerprint: str, examples, aux_layers, pad_id: int) -> None:
-    from train.features import feature_cache
-
-    feature_cache(cfg, target, fingerprint, examples, aux_layers, pad_id)
-
-
 def speculators_steps(log_text: str) -> dict:
     """Its optimizer steps as its own log times them (profile/step_ms and profile/tokens_per_s,
     printed per step): the seconds and tokens of the steps alone."""
@@ -367,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     from drafts.eagle3 import check_aux_layers, default_aux_layers
     from recipe import ConfigError, cache_root, load_config
     from train.data import load_stage1, truncate
+    from train.features import feature_cache
     from train.loop import accelerator_kwargs, reset_accelerate
 
     peers = [p for p in args.peers.split(",") if p]
@@ -413,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                                     f"train.max_steps={steps}", "train.keep=last",
                                     "train.freeze_embeddings=true", *args.overrides])
     if "draftsmith" not in trained:
-        write_our_features(cfg, target, resolved.fingerprint, data.train + data.held_out,
-                           aux_layers, tokenizer.pad_token_id)
+        feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out, aux_layers,
+                      tokenizer.pad_token_id)  # ours, written before its clock starts
         trained["draftsmith"] = train_ours(cfg)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
     bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it

