@@ -1,9 +1,13 @@
-"""Benchmark: draftsmith's EAGLE-3 trainer next to the field's, on the same conversations, the
-same target features and matched settings, every head measured in one vLLM run.
+"""Benchmark: draftsmith's EAGLE-3 and DFlash trainers next to the field's, on the same
+conversations, the same target features and matched settings, every head measured in one vLLM
+run.
 
     .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
         [--peers speculators] [--epochs 8] [--conversations 200] [--questions 10]
         [--max-new-tokens 256] [--work DIR] [--write-docs] [recipe overrides key=value ...]
+
+The recipe's train.draft picks the kind: an eagle3 recipe against speculators' EAGLE-3 trainer,
+a dflash recipe (configs/smollm2-135m-dflash.yaml) against its DFlash trainer.
 
 Steps, each resumed where a killed run left it (the work folder keeps what is done):
 1. stage 1 of the recipe (our distill stage, its own resume), `--conversations` prompts;
@@ -12,8 +16,8 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    features, computed once by a transformers forward and written in the peer's format (for
    speculators: a dataset of input_ids / loss_mask / seq_len with the training rows first, and
    hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
-   final norm, [T, 4, H]); the draft vocabulary our trainer picked (the most frequent training
-   labels) written as the peer's d2t / t2d;
+   final norm, [T, 4, H]); for EAGLE-3 the draft vocabulary our trainer picked (the most
+   frequent training labels) written as the peer's d2t / t2d, for DFlash our mask token;
 4. our trainer, then each peer's, for the same epochs: the wall time of each (features
    excluded: they are shared) and the training tokens/s of its optimizer steps, as each
    trainer's own clock times them;
@@ -31,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -44,28 +49,60 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = {"speculators": "speculators==0.9.0"}
 PEER_ENTRY = {"speculators": ROOT / "benchmarks" / "peer_entry" / "speculators_cpu.py"}
 
-MATCHED = [
+SHARED_MATCHED = [
     "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
     "target features: one transformers forward, fp32, stored in bf16 by both",
-    "one decoder layer over the aux layers of the recipe (vLLM's default ids)",
-    "draft vocabulary: the same d2t / t2d (the recipe's size, most frequent training labels)",
-    "training-time test: the recipe's ttt_steps, step j weighted head_decay**j",
-    "loss: forward KL against the target on the draft vocabulary (speculators' kl_div)",
+]
+SHARED_TAIL = [
     "AdamW, the recipe's peak learning rate, its warmup steps, cosine decay, no weight decay, "
     "gradients clipped at norm 1",
-    "lm_head frozen at the target's rows of the draft vocabulary; the same epochs",
     "bf16 autocast where the CPU runs it natively (the recipe's mixed_precision: auto)",
 ]
-UNMATCHED = [
+SHARED_UNMATCHED = [
     "batches: ours takes micro_batch_size conversations per optimizer step; speculators packs "
     "conversations into a token budget per step (--total-seq-len), set to micro_batch_size times "
     "the mean training conversation's length, so tokens per step match on average and the step "
     "counts differ a little",
     "the cosine floor: ours decays to learning_rate * min_lr_ratio, speculators' to 0",
     "speculators saves its checkpoints in bf16, ours in fp32",
-    "speculators' sliding-window attention (2,048 tokens) is wider than max_seq_len, so it "
-    "attends as ours does; its norms are switched off to match the EAGLE-3 layer ours trains",
 ]
+MATCHED = {
+    "eagle3": SHARED_MATCHED + [
+        "one decoder layer over the aux layers of the recipe (vLLM's default ids)",
+        "draft vocabulary: the same d2t / t2d (the recipe's size, most frequent training labels)",
+        "training-time test: the recipe's ttt_steps, step j weighted head_decay**j",
+        "loss: forward KL against the target on the draft vocabulary (speculators' kl_div)",
+        *SHARED_TAIL,
+        "lm_head frozen at the target's rows of the draft vocabulary; the same epochs",
+    ],
+    "dflash": SHARED_MATCHED + [
+        "the recipe's number of Qwen3-style layers over the aux layers of the recipe, attending "
+        "to the context before the block and to the whole block (speculators' layers set to "
+        "full attention: its default sliding-window layers are causal inside a block)",
+        "blocks: the known token and train.block_size masks (speculators' block size is one "
+        "more: it counts the known token), the same mask token; a block after every answer "
+        "position (speculators' --max-anchors raised to its token budget per step)",
+        "loss: forward KL against the target over the whole vocabulary, mask j weighted "
+        "head_decay**(j-1) (speculators' kl_div with fixed-exp-decay, gamma = "
+        "-1 / ln(head_decay))",
+        *SHARED_TAIL,
+        "embeddings and lm_head frozen at the target's; the same epochs",
+    ],
+}
+UNMATCHED = {
+    "eagle3": SHARED_UNMATCHED + [
+        "speculators' sliding-window attention (2,048 tokens) is wider than max_seq_len, so it "
+        "attends as ours does; its norms are switched off to match the EAGLE-3 layer ours "
+        "trains",
+    ],
+    "dflash": SHARED_UNMATCHED + [
+        "initialisation: ours starts each layer as a copy of one of the target's (our DFlash "
+        "trainer's method, drafts/dflash/head.py); speculators' start from random weights, its "
+        "only start short of a trained speculator",
+    ],
+}
+VLLM_METHOD = {"eagle3": "eagle3", "dflash": "dflash"}
+KIND_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
 # --- peers' environments ---------------------------------------------------------------------
@@ -118,9 +155,10 @@ def layer_features(target, input_ids: list[int], aux_layers: list[int]) -> torch
 
 
 def write_speculators_data(folder: Path, train, held_out, target, aux_layers: list[int],
-                           draft_ids: torch.Tensor, log=print) -> float:
+                           draft_ids: torch.Tensor | None, log=print) -> float:
     """speculators' offline training data in `folder`, training rows first (its split takes the
-    first int(n * train_data_ratio) rows): returns the ratio that splits exactly there."""
+    first int(n * train_data_ratio) rows), and the d2t / t2d of `draft_ids` when the draft has
+    a vocabulary of its own: returns the ratio that splits exactly there."""
     from datasets import Dataset
     from safetensors.torch import load_file, save_file
 
@@ -154,11 +192,12 @@ def write_speculators_data(folder: Path, train, held_out, target, aux_layers: li
     for part in staged.iterdir():
         part.replace(folder / part.name)
     staged.rmdir()
-    d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
-    import numpy as np
+    if draft_ids is not None:
+        import numpy as np
 
-    np.save(folder / f"d2t-{len(draft_ids)}.npy", d2t.numpy())
-    np.save(folder / f"t2d-{len(draft_ids)}.npy", t2d.numpy())
+        d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
+        np.save(folder / f"d2t-{len(draft_ids)}.npy", d2t.numpy())
+        np.save(folder / f"t2d-{len(draft_ids)}.npy", t2d.numpy())
     # int(n * ratio) == len(train), half a row clear of either neighbour
     return (len(train) + 0.5) / len(rows)
 
@@ -179,7 +218,7 @@ def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print
     ours = {}
     for shard in shards:
         ours.update(load_file(shard))
-    worst = 0.0
+    worst, compared = 0.0, 0
     norm = target.get_decoder().norm
     for i, e in enumerate(examples):
         aux_key, last_key = f"{e.id}/aux", f"{e.id}/last"
@@ -192,7 +231,8 @@ def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print
         last = norm(theirs[:T, -1])
         for a, b in ((aux, ours[aux_key].float()), (last, ours[last_key].float())):
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
-    return worst
+        compared += 1
+    return worst if compared else float("nan")
 
 
 # --- training --------------------------------------------------------------------------------
@@ -215,6 +255,7 @@ def train_ours(cfg, log=print) -> dict:
     written by write_speculators_data, outside theirs)."""
     from accelerate import Accelerator
 
+    from runfolder import run_folder
     from serving.export import export_draft
     from train import train_draft
     from train.loop import accelerator_kwargs, reset_accelerate
@@ -226,7 +267,8 @@ def train_ours(cfg, log=print) -> dict:
     exported = export_draft(cfg, cfg.eval.k, log=log)
     return {"folder": str(exported.folder), "wall_seconds": seconds,
             "step_seconds": summary.train_seconds, "step_tokens": summary.tokens,
-            "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from}
+            "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from,
+            "step_rates": our_step_rates(run_folder(cfg).train / "log.jsonl")}
 
 
 def head_vocabulary(head_folder: Path) -> torch.Tensor:
@@ -241,9 +283,31 @@ def head_vocabulary(head_folder: Path) -> torch.Tensor:
     return target_ids(torch.arange(len(d2t)), d2t)
 
 
+def head_mask_token(head_folder: Path) -> int:
+    """The mask token of an exported DFlash drafter (dflash_config.mask_token_id): the one our
+    trainer picked, given to the peer."""
+    config = json.loads((head_folder / "config.json").read_text())
+    return int(config["dflash_config"]["mask_token_id"])
+
+
+def our_step_rates(log_path: Path) -> list[float]:
+    """Tokens/s of each of our optimizer steps, from train/log.jsonl's running totals (tokens,
+    and tokens / train_seconds)."""
+    rates, last_tokens, last_seconds = [], 0, 0.0
+    for line in log_path.read_text().splitlines():
+        entry = json.loads(line)
+        if "tokens_per_s" not in entry:
+            continue
+        seconds = entry["tokens"] / entry["tokens_per_s"]
+        if seconds > last_seconds:
+            rates.append((entry["tokens"] - last_tokens) / (seconds - last_seconds))
+        last_tokens, last_seconds = entry["tokens"], seconds
+    return rates
+
+
 def speculators_steps(log_text: str) -> dict:
     """Its optimizer steps as its own log times them (profile/step_ms and profile/tokens_per_s,
-    printed per step): the seconds and tokens of the steps alone."""
+    printed per step): the seconds and tokens of the steps alone, and each step's rate."""
     import re
 
     ms = [float(v) for v in re.findall(r"profile/step_ms=([0-9.e+-]+)", log_text)]
@@ -252,27 +316,44 @@ def speculators_steps(log_text: str) -> dict:
         raise RuntimeError("speculators' log holds no per-step timing (profile/step_ms, "
                            "profile/tokens_per_s): it changed format or trained no step")
     return {"optimizer_steps": len(ms), "step_seconds": sum(ms) / 1000,
-            "step_tokens": sum(r * m / 1000 for r, m in zip(rates, ms))}
+            "step_tokens": sum(r * m / 1000 for r, m in zip(rates, ms)), "step_rates": rates}
 
 
-def speculators_flags(cfg, target_path: str, data: Path, save: Path, ratio: float,
-                      epochs: int, aux_layers: list[int], bf16: bool,
-                      tokens_per_step: int) -> list[str]:
+def speculators_flags(cfg, kind: str, target_path: str, data: Path, save: Path, ratio: float,
+                      epochs: int, aux_layers: list[int], bf16: bool, tokens_per_step: int,
+                      mask_token_id: int | None = None) -> list[str]:
+    """speculators' train flags for the recipe's settings (MATCHED[kind])."""
     t = cfg.train
-    return ["--verifier-name-or-path", target_path, "--data-path", str(data),
-            "--speculator-type", "eagle3", "--num-layers", "1",
-            # the EAGLE-3 layer as ours (and vLLM's default) has it: no norms beyond the paper's
-            "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
-            "--target-layer-ids", *[str(i) for i in aux_layers],
-            "--draft-vocab-size", str(t.draft_vocab_size),
-            "--ttt-steps", str(t.ttt_steps), "--ttt-step-loss-decay", str(t.head_decay),
-            "--optimizer", "adamw", "--lr", str(t.learning_rate), "--weight-decay", "0",
-            "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
-            "--epochs", str(epochs), "--total-seq-len", str(tokens_per_step),
-            "--train-data-ratio", f"{ratio:.6f}", "--save-path", str(save),
-            "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-            "--hidden-states-dtype", "bfloat16" if bf16 else "float32",
-            "--seed", str(cfg.run.seed)]
+    flags = ["--verifier-name-or-path", target_path, "--data-path", str(data),
+             "--speculator-type", kind,
+             "--target-layer-ids", *[str(i) for i in aux_layers]]
+    if kind == "eagle3":
+        flags += ["--num-layers", "1",
+                  # the EAGLE-3 layer as ours (and vLLM's default) has it: no extra norms
+                  "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
+                  "--draft-vocab-size", str(t.draft_vocab_size),
+                  "--ttt-steps", str(t.ttt_steps), "--ttt-step-loss-decay", str(t.head_decay)]
+    elif kind == "dflash":
+        from drafts.dflash import parse_layers
+
+        layers = parse_layers(t.draft)
+        flags += ["--num-layers", str(layers), "--draft-arch", "qwen3",
+                  # full attention: non-causal inside the block, as ours and vLLM's DFlash
+                  "--full-attention-indices", *[str(i) for i in range(layers)],
+                  "--block-size", str(t.block_size + 1), "--mask-token-id", str(mask_token_id),
+                  "--max-anchors", str(tokens_per_step),
+                  "--loss-fn", "kl_div", "--per-position-loss-weight", "fixed-exp-decay",
+                  "--dflash-decay-gamma", f"{-1 / math.log(t.head_decay):.6f}"]
+    else:
+        raise ValueError(f"no speculators trainer for {kind!r}")
+    return flags + [
+        "--optimizer", "adamw", "--lr", str(t.learning_rate), "--weight-decay", "0",
+        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
+        "--epochs", str(epochs), "--total-seq-len", str(tokens_per_step),
+        "--train-data-ratio", f"{ratio:.6f}", "--save-path", str(save),
+        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
+        "--hidden-states-dtype", "bfloat16" if bf16 else "float32",
+        "--seed", str(cfg.run.seed)]
 
 
 def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
@@ -316,14 +397,14 @@ def head_figures(found: dict, reference: list[list[int]]) -> dict:
 
 
 def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: dict[str, Path],
-            k: int, max_new_tokens: int, cache: Path) -> dict:
+            method: str, k: int, max_new_tokens: int, cache: Path) -> dict:
     """Every head and the target alone in one vLLM worker, greedy: tau, alpha_k, texts equal
     to the target's."""
     from serving.engines.vllm import run_worker
 
     runs = {"target": None}
     for name, folder in heads.items():
-        runs[name] = {"method": "eagle3", "model": str(Path(folder).resolve()),
+        runs[name] = {"method": method, "model": str(Path(folder).resolve()),
                       "num_speculative_tokens": k}
     request = {"target": target_path, "dtype": "float32", "prompts": prompts,
                "max_new_tokens": max_new_tokens, "stop_token_ids": sorted(eos),
@@ -373,9 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     budget.mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, [f"run.output_dir={work / 'stage1'}",
                                      f"data.max_prompts={args.conversations}", *args.overrides])
-    if base.train.draft != "eagle3":
+    kind = base.train.draft.partition(":")[0]
+    if kind not in MATCHED:
         raise ConfigError(f"{args.config}: train.draft is {base.train.draft!r}; the side by side "
-                          "compares EAGLE-3 trainers (an eagle3 recipe).")
+                          f"compares {' and '.join(MATCHED)} trainers: pass a recipe of one "
+                          "(configs/smollm2-135m-eagle3.yaml, configs/smollm2-135m-dflash.yaml).")
 
     print(f"[side-by-side] stage 1: {args.conversations} prompts of {args.config.name}")
     run_distill(base, Accelerator(cpu=True))
@@ -396,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results_path = budget / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    results.update(config=str(args.config), epochs=args.epochs, train_conversations=len(train),
-                   held_out_conversations=len(held_out), train_tokens=train_tokens,
+    results.update(config=str(args.config), kind=kind, epochs=args.epochs,
+                   train_conversations=len(train), held_out_conversations=len(held_out),
+                   train_tokens=train_tokens,
                    cpu=cpu_name(), torch_threads=torch.get_num_threads())
     trained = results.setdefault("trainers", {})
 
@@ -415,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
-    draft_ids = head_vocabulary(heads["draftsmith"])
+    draft_ids = head_vocabulary(heads["draftsmith"]) if kind == "eagle3" else None
+    mask_token = head_mask_token(heads["draftsmith"]) if kind == "dflash" else None
     for peer in peers:
         folder = budget / peer
         if peer not in trained:
@@ -428,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             # conversations, so the budget is that many of the mean training length
             per_step = max(cfg.train.max_seq_len,
                            round(cfg.train.micro_batch_size * train_tokens / len(train)))
-            flags = speculators_flags(cfg, resolved.path, data_dir, folder / "checkpoints",
-                                      ratio, args.epochs, aux_layers, bf16, per_step)
+            flags = speculators_flags(cfg, kind, resolved.path, data_dir,
+                                      folder / "checkpoints", ratio, args.epochs, aux_layers,
+                                      bf16, per_step, mask_token)
             print(f"[side-by-side] {peer}: training ({args.epochs} epochs), log "
                   f"{folder / 'train.log'}")
             found = train_speculators(python, flags, folder / "train.log")
@@ -439,35 +525,54 @@ def main(argv: list[str] | None = None) -> int:
             trained[peer] = found
             results_path.write_text(json.dumps(results, indent=2) + "\n")
         heads[peer] = Path(trained[peer]["folder"])
-    for found in trained.values():
+    if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were
+        trained["draftsmith"]["step_rates"] = our_step_rates(ours / "train" / "log.jsonl")
+    for name, found in trained.items():
+        if "step_rates" not in found:
+            found["step_rates"] = speculators_steps(
+                (budget / name / "train.log").read_text())["step_rates"]
         found["tokens_per_second"] = found["step_tokens"] / found["step_seconds"]
+        found["median_step_tokens_per_second"] = statistics.median(found["step_rates"])
 
     conversations, _ = load_mtbench()
     prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
                for c in conversations[: args.questions]]
     eos = end_of_turn_ids(target, tokenizer)
-    print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
-          f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
-    results["vllm"] = measure(resolved.path, prompts, eos, heads, cfg.eval.k,
-                              args.max_new_tokens, cache_root() / "vllm")
+    setting = {"heads": {name: str(folder) for name, folder in heads.items()},
+               "questions": len(prompts), "max_new_tokens": args.max_new_tokens, "k": cfg.eval.k}
+    if results.get("vllm_setting") != setting:  # measured once per heads and setting
+        print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
+              f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
+        results["vllm"] = measure(resolved.path, prompts, eos, heads, VLLM_METHOD[kind],
+                                  cfg.eval.k, args.max_new_tokens, cache_root() / "vllm")
+        results["vllm_setting"] = setting
     results.update(questions=len(prompts), max_new_tokens=args.max_new_tokens, k=cfg.eval.k)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     table = render_table(results)
+    print(settings(kind))
     print(table)
     if args.write_docs:
         write_docs(results, table, argv if argv is not None else sys.argv[1:])
     return 0
 
 
+def settings(kind: str) -> str:
+    """What the side by side of `kind` matches between the trainers, and what it cannot."""
+    return (f"{KIND_NAMES[kind]}, matched:\n" + "".join(f"- {m}\n" for m in MATCHED[kind])
+            + f"\n{KIND_NAMES[kind]}, not matched:\n"
+            + "".join(f"- {m}\n" for m in UNMATCHED[kind]))
+
+
 def render_table(results: dict) -> str:
     lines = ["| trainer | tau | alpha_1..k | texts = target's | wall time | optimizer steps | "
-             "training tokens/s |", "|---|---|---|---|---|---|---|"]
+             "training tokens/s (all steps / median step) |", "|---|---|---|---|---|---|---|"]
     for name, found in results["trainers"].items():
         v = results["vllm"][name]
         alpha = " / ".join(f"{a:.3f}" for a in v["alpha"])
         lines.append(f"| {name} | {v['tau']:.3f} | {alpha} | {v['identical_texts']}/"
                      f"{v['prompts']} | {found['wall_seconds']:.0f} s | "
-                     f"{found['optimizer_steps']} | {found['tokens_per_second']:.0f} |")
+                     f"{found['optimizer_steps']} | {found['tokens_per_second']:.0f} / "
+                     f"{found['median_step_tokens_per_second']:.0f} |")
     return "\n".join(lines)
 
 
@@ -483,8 +588,7 @@ def write_docs(results: dict, table: str, argv: list[str]) -> None:
         f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
         f"greedy, k={results['k']}.", "", table, ""])
     head = "# Side by side with the field's trainers\n\n" + __doc__.split("\n\n", 2)[2]
-    head += "\nMatched:\n" + "".join(f"- {m}\n" for m in MATCHED)
-    head += "\nNot matched:\n" + "".join(f"- {m}\n" for m in UNMATCHED)
+    head += "".join(f"\n{settings(kind)}" for kind in MATCHED)
     sections = doc.read_text().split("\n## ")[1:] if doc.is_file() else []
     title = section.split("\n", 1)[0][3:]
     kept = [s for s in sections if not s.startswith(title)]

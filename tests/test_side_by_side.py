@@ -1,20 +1,26 @@
 """The side-by-side benchmark's own pieces (benchmarks/side_by_side.py), on a tiny random
 Llama: the features in speculators' layout, its data folder as its loader splits it, the draft
-vocabulary maps, the last checkpoint, the acceptance figures. Training the peers and vLLM is
+vocabulary maps, the mask token, the peer's flags per kind, the last checkpoint, the acceptance
+figures. Training the peers and vLLM is
 the benchmark's job, not a test's."""
 
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 
 from benchmarks.side_by_side import (
+    ROOT,
     head_figures,
+    head_mask_token,
     head_vocabulary,
     latest_speculators_checkpoint,
     layer_features,
+    our_step_rates,
     render_table,
+    speculators_flags,
     speculators_steps,
     write_speculators_data,
 )
@@ -104,10 +110,11 @@ def test_acceptance_figures_from_vllms_counters():
     assert figures["tau"] == pytest.approx(2.0)
     assert figures["alpha"] == pytest.approx([0.6, 0.3, 0.1, 0.0])
     assert (figures["identical_texts"], figures["prompts"]) == (2, 3)
-    table = render_table({"trainers": {"draftsmith": {"wall_seconds": 100.4, "optimizer_steps": 6,
-                                                      "tokens_per_second": 321.6}},
-                          "vllm": {"draftsmith": figures}})
-    assert "| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 6 | 322 |" in table
+    trainer = {"wall_seconds": 100.4, "optimizer_steps": 6, "tokens_per_second": 321.6,
+               "median_step_tokens_per_second": 340.2}
+    table = render_table({"trainers": {"draftsmith": trainer}, "vllm": {"draftsmith": figures}})
+    assert ("| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 6 | 322 / 340 |"
+            in table)
     json.dumps(figures)  # results.json holds it
 
 
@@ -127,6 +134,7 @@ def test_speculators_steps_are_timed_by_its_own_log():
     assert steps["optimizer_steps"] == 2
     assert steps["step_seconds"] == pytest.approx(24.7 + 0.5)
     assert steps["step_tokens"] == pytest.approx(147.037 * 24.7 + 500.0)
+    assert steps["step_rates"] == pytest.approx([147.037, 1000.0])
     with pytest.raises(RuntimeError, match="no per-step timing"):
         speculators_steps("Traceback ...")
 
@@ -139,3 +147,65 @@ def test_the_peers_get_the_draft_vocabulary_of_our_exported_head(tmp_path):
     save_file({"d2t": d2t, "t2d": t2d, "fc.weight": torch.zeros(2, 2)},
               str(tmp_path / "model.safetensors"))
     assert head_vocabulary(tmp_path).tolist() == draft_ids.tolist()
+
+
+def test_a_dflash_drafter_gives_the_peer_no_vocabulary_but_its_mask_token(target, tmp_path):
+    write_speculators_data(tmp_path, _examples(3, 0), _examples(1, 1), target, [1, 2, 3], None,
+                           log=lambda *a: None)
+    assert not list(tmp_path.glob("d2t-*.npy")) and not list(tmp_path.glob("t2d-*.npy"))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["DFlashDraftModel"],
+         "dflash_config": {"mask_token_id": 16, "target_layer_ids": [0, 1, 2]}}))
+    assert head_mask_token(tmp_path) == 16
+
+
+def _flags(kind_recipe: str, *overrides: str) -> tuple[dict, list[str]]:
+    from recipe import load_config
+
+    cfg = load_config(ROOT / "configs" / kind_recipe, list(overrides))
+    kind = cfg.train.draft.partition(":")[0]
+    flags = speculators_flags(cfg, kind, "/target", ROOT / "data", ROOT / "save", 0.96, 8,
+                              [2, 15, 27], True, 2080, 16 if kind == "dflash" else None)
+    values, key = {}, None
+    for flag in flags:  # "--name v1 v2" -> {"name": ["v1", "v2"]}, a switch -> []
+        if flag.startswith("--"):
+            key = flag[2:]
+            values[key] = []
+        else:
+            values[key].append(flag)
+    return values, flags
+
+
+def test_the_peers_eagle3_flags_carry_the_recipes_settings():
+    flags, _ = _flags("smollm2-135m-eagle3.yaml")
+    assert flags["speculator-type"] == ["eagle3"] and flags["num-layers"] == ["1"]
+    assert flags["target-layer-ids"] == ["2", "15", "27"]
+    assert flags["draft-vocab-size"] == ["8192"]
+    assert (flags["ttt-steps"], flags["ttt-step-loss-decay"]) == (["7"], ["0.8"])
+    assert flags["no-norm-before-residual"] == [] and flags["no-norm-output"] == []
+    assert (flags["lr"], flags["epochs"], flags["total-seq-len"]) == (["0.002"], ["8"], ["2080"])
+    assert flags["hidden-states-dtype"] == ["bfloat16"]
+    assert "block-size" not in flags and "mask-token-id" not in flags
+
+
+def test_the_peers_dflash_flags_carry_the_recipes_blocks_layers_and_loss_weights():
+    flags, _ = _flags("smollm2-135m-dflash.yaml", "train.head_decay=0.7")
+    assert flags["speculator-type"] == ["dflash"]
+    assert flags["num-layers"] == ["2"] and flags["full-attention-indices"] == ["0", "1"]
+    assert flags["block-size"] == ["5"]  # the known token and the recipe's 4 masks
+    assert flags["mask-token-id"] == ["16"] and flags["max-anchors"] == ["2080"]
+    gamma = float(flags["dflash-decay-gamma"][0])
+    assert math.exp(-1 / gamma) == pytest.approx(0.7, abs=1e-6)  # its weight of mask j+1 / j
+    assert flags["per-position-loss-weight"] == ["fixed-exp-decay"]
+    assert flags["loss-fn"] == ["kl_div"] and "draft-vocab-size" not in flags
+    assert flags["lr"] == ["0.001"] and flags["scheduler-warmup-steps"] == ["4"]
+
+
+def test_our_step_rates_come_from_the_logs_running_totals(tmp_path):
+    log = tmp_path / "log.jsonl"
+    entries = [{"optimizer_step": 0, "held_out_loss": 3.0},  # an evaluation: no rate
+               {"optimizer_step": 1, "tokens": 1000, "tokens_per_s": 100.0},  # 10 s
+               {"optimizer_step": 2, "tokens": 3000, "tokens_per_s": 200.0},  # 15 s in all
+               {"optimizer_step": 3, "tokens": 3500, "tokens_per_s": 175.0}]  # 20 s in all
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    assert our_step_rates(log) == pytest.approx([100.0, 400.0, 100.0])
