@@ -187,8 +187,10 @@ def alternatives(draft, chain: torch.Tensor, settings: DecodeSettings) -> torch.
     """The draft's settings.tree_width likeliest tokens at each position other than the chain's
     [B, k] -> [B, k, w], or None when the tree has no alternatives (settings.tree off, or a draft
     that ranks none)."""
+    if not settings.tree:
+        return None
     scores = draft.scores
-    if not settings.tree or scores is None:
+    if scores is None:
         return None
     width = settings.tree_width
     ranked = scores.float().nan_to_num(nan=float("-inf")).topk(width + 1, dim=-1).indices

@@ -122,16 +122,22 @@ def block_attention(q: torch.Tensor, k_block: torch.Tensor, v_block: torch.Tenso
     """Attention of S blocks per row: each query sees the context keys its block may see and
     every key of its own block (non-causal inside the block, DFlash's attention).
 
-    q [B, n, S, m, d]; k_block, v_block [B, n, S, m, d]; k_context, v_context [B, n, L, d]
-    (grouped-query heads already repeated); context_allowed [B, S, L] bool -> [B, n, S, m, d]."""
-    scale = q.shape[-1] ** -0.5
-    to_context = torch.einsum("bnsqd,bnld->bnsql", q, k_context) * scale  # [B, n, S, m, L]
-    to_context = to_context.masked_fill(~context_allowed[:, None, :, None, :], float("-inf"))
-    to_block = torch.einsum("bnsqd,bnspd->bnsqp", q, k_block) * scale  # [B, n, S, m, m]
+    q [B, n, S, m, d]; k_block, v_block [B, kv, S, m, d]; k_context, v_context [B, kv, L, d],
+    with n = kv * g (grouped-query: query head h reads kv head h // g, read in place, never
+    repeated); context_allowed [B, S, L] bool -> [B, n, S, m, d]."""
+    batch, heads, blocks, m, d = q.shape
+    kv = k_context.shape[1]
+    scale = d ** -0.5
+    q = q.view(batch, kv, heads // kv, blocks, m, d)
+    to_context = torch.einsum("bkgsqd,bkld->bkgsql", q, k_context) * scale  # [B,kv,g,S,m,L]
+    to_context = to_context.masked_fill(~context_allowed[:, None, None, :, None, :],
+                                        float("-inf"))
+    to_block = torch.einsum("bkgsqd,bkspd->bkgsqp", q, k_block) * scale  # [B,kv,g,S,m,m]
     probs = torch.softmax(torch.cat([to_context, to_block], -1).float(), -1).to(q.dtype)
     length = k_context.shape[2]
-    return (torch.einsum("bnsql,bnld->bnsqd", probs[..., :length], v_context)
-            + torch.einsum("bnsqp,bnspd->bnsqd", probs[..., length:], v_block))
+    out = (torch.einsum("bkgsql,bkld->bkgsqd", probs[..., :length], v_context)
+           + torch.einsum("bkgsqp,bkspd->bkgsqd", probs[..., length:], v_block))
+    return out.reshape(batch, heads, blocks, m, d)
 
 
 def pard_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: BlockPlan, k: int,

@@ -9,13 +9,14 @@ from torch import nn
 from decoding.speculative import draw, sampling_probs
 from drafts.dflash.head import DFlashHead
 from drafts.kind import aux_features
+from drafts.slots import SlotKV
 
 
 class DFlashDraft:
     """Per layer a cache of context keys/values made from the target's hidden states of every
-    verified token, with a slot mask [B, L] (holes for rejected slots, as decoding/kv.py) and
-    each row's next position [B]. The block itself is never cached: it is recomputed from
-    [pending, mask x k] at every step, as vLLM does."""
+    verified token, with a slot mask [B, L] (drafts.slots.SlotKV: preallocated, holes for
+    rejected slots, as decoding/kv.py) and each row's next position [B]. The block itself is
+    never cached: it is recomputed from [pending, mask x k] at every step, as vLLM does."""
 
     uses_target_hidden = True
     scores, failures, propose_tree = None, None, None  # scores: set by propose
@@ -26,11 +27,9 @@ class DFlashDraft:
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         batch, device = input_ids.shape[0], input_ids.device
         attn = self.head.layers[0].self_attn
-        empty = torch.zeros(batch, attn.num_kv_heads, 0, attn.head_dim,
-                            dtype=self.head.fc.weight.dtype, device=device)
-        self.keys = [empty] * len(self.head.layers)
-        self.values = [empty] * len(self.head.layers)
-        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.context = SlotKV(batch, len(self.head.layers), attn.num_kv_heads, attn.head_dim,
+                              self.head.fc.weight.dtype, device,
+                              capacity=max(256, 2 * input_ids.shape[1]))
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
         self._add_context(target_hidden, attention_mask.bool())
         self.pending = first_token
@@ -40,10 +39,7 @@ class DFlashDraft:
         steps = valid.long()
         positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
         aux = aux_features(target_hidden, self.head.aux_layers).to(self.head.fc.weight.dtype)
-        for i, (k, v) in enumerate(self.head.contexts(aux, positions)):
-            self.keys[i] = torch.cat([self.keys[i], k], dim=2)
-            self.values[i] = torch.cat([self.values[i], v], dim=2)
-        self.mask = torch.cat([self.mask, valid], dim=1)
+        self.context.append(self.head.contexts(aux, positions), valid)
         self.next_position = self.next_position + steps.sum(1)
 
     def propose(self, k, sampling, history, generator=None):
@@ -52,8 +48,10 @@ class DFlashDraft:
         block = torch.cat([self.embed(self.pending)[:, None].to(dtype),
                            head.mask_embedding.expand(batch, k, -1)], 1)[:, None]  # [B,1,k+1,H]
         positions = (self.next_position[:, None] + torch.arange(k + 1, device=block.device))
-        out = head.blocks(block, positions[:, None], list(zip(self.keys, self.values)),
-                          self.mask[:, None])  # [B, 1, k+1, H]
+        context = [(self.context.keys(i), self.context.values(i))
+                   for i in range(len(head.layers))]
+        out = head.blocks(block, positions[:, None], context,
+                          self.context.mask[:, None])  # [B, 1, k+1, H]
         logits = head.lm_head(out[:, 0, 1:])  # [B, k, V]: mask j fills draft position j
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         self.tokens = draw(q, sampling.temperature, generator)  # [B, k]
@@ -66,9 +64,5 @@ class DFlashDraft:
         k = self.tokens.shape[1]
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
         self._add_context(target_hidden, valid)
-        holes = k - int(num_accepted.max())  # trailing slots no row kept
-        if holes:
-            self.keys = [x[:, :, :-holes] for x in self.keys]
-            self.values = [x[:, :, :-holes] for x in self.values]
-            self.mask = self.mask[:, :-holes]
+        self.context.crop(k - int(num_accepted.max()))  # trailing slots no row kept
         self.pending = next_token

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafts.eagle3.head import _rotate_half, default_aux_layers, repeat_kv
+from drafts.eagle3.head import _rotate_half, default_aux_layers
 from drafts.folders import load_folder, save_folder
 from drafts.kind import SameVocabulary, Slot, TargetHidden
 from drafts.parallel import block_attention, block_plan
@@ -169,11 +169,6 @@ class DFlashHead(nn.Module):
             token = torch.tensor([self.mask_token_id], device=embedding.weight.device)
             self.mask_embedding = embedding(token)[0].to(self.fc.weight)
 
-    @property
-    def groups(self) -> int:
-        attn = self.layers[0].self_attn
-        return attn.num_heads // attn.num_kv_heads
-
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, heads, *P, d] at positions [B, *P] -> rotated x."""
         flat = positions.reshape(positions.shape[0], -1)
@@ -211,9 +206,7 @@ class DFlashHead(nn.Module):
             q = self._rope(attn.q_norm(heads(attn.q_proj, attn.num_heads)), positions)
             k = self._rope(attn.k_norm(heads(attn.k_proj, attn.num_kv_heads)), positions)
             v = heads(attn.v_proj, attn.num_kv_heads)
-            g = self.groups
-            out = block_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                  repeat_kv(k_context, g), repeat_kv(v_context, g),
+            out = block_attention(q, k, v, k_context, v_context,
                                   context_allowed)  # [B, n, S, m, d]
             h = h + attn.o_proj(out.permute(0, 2, 3, 1, 4).reshape(batch, blocks, m, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))

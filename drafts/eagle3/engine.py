@@ -11,22 +11,45 @@ from torch import nn
 
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
-from drafts.eagle3.head import Eagle3Head, repeat_kv
+from drafts.eagle3.head import Eagle3Head
 from drafts.kind import aux_features
+from drafts.slots import SlotKV
 
 
 class HeadCache:
-    """The head's own KV cache with a slot mask [B, L] (holes for rejected slots, as in
-    serving/kv.py) and each row's next position [B]."""
+    """The head's own KV cache (drafts.slots.SlotKV: preallocated, a slot mask [B, L] with holes
+    for rejected slots, as in decoding/kv.py) and each row's next position [B]."""
 
     def __init__(self, batch: int, head: Eagle3Head, device):
         attn = head.midlayer.self_attn
-        shape = (batch, attn.num_kv_heads, 0, attn.head_dim)
-        dtype = head.fc.weight.dtype
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.mask = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.slots = SlotKV(batch, 1, attn.num_kv_heads, attn.head_dim, head.fc.weight.dtype,
+                            device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.slots.keys()
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.slots.values()
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.slots.mask
+
+    def rows(self, index) -> HeadCache:
+        """The cache of some rows (a slice or index tensor over the batch), a copy."""
+        other = HeadCache.__new__(HeadCache)
+        other.slots, other.next_position = self.slots.rows(index), self.next_position[index]
+        return other
+
+    def _attend(self, head: Eagle3Head, q, allowed) -> torch.Tensor:
+        """q [B, n, t, d] over the cache, allowed [B, t, L] -> [B, n, t, d] (grouped-query
+        heads read the kv heads in place)."""
+        return F.scaled_dot_product_attention(q, self.keys, self.values,
+                                              attn_mask=allowed[:, None],
+                                              enable_gqa=head.groups > 1)
 
     def run(self, head: Eagle3Head, embeds, hidden, valid) -> torch.Tensor:
         """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
@@ -35,17 +58,18 @@ class HeadCache:
         steps = valid.long()
         positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
         q, k, v, residual = head.project(embeds, hidden, positions)
-        self.keys = torch.cat([self.keys, k], dim=2)
-        self.values = torch.cat([self.values, v], dim=2)
-        self.mask = torch.cat([self.mask, valid], dim=1)
-        length = self.mask.shape[1]
-        slot = torch.arange(length, device=valid.device)
-        query_slot = torch.arange(length - t, length, device=valid.device)
-        allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]  # [B,t,L]
-        allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # a hole sees itself
-        attended = F.scaled_dot_product_attention(
-            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
-            attn_mask=allowed[:, None])
+        self.slots.append([(k, v)], valid)
+        length = self.slots.length
+        if t == 1:  # a drafted token: every kept slot, and itself (a hole sees itself)
+            allowed = self.mask.clone()
+            allowed[:, -1] = True
+            allowed = allowed[:, None]  # [B, 1, L]
+        else:
+            slot = torch.arange(length, device=valid.device)
+            query_slot = torch.arange(length - t, length, device=valid.device)
+            allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]
+            allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # [B, t, L]
+        attended = self._attend(head, q, allowed)
         self.next_position = self.next_position + steps.sum(1)
         return head.finish(attended, residual)
 
@@ -57,15 +81,10 @@ class HeadCache:
         tree's slots are dropped with crop(S, valid=False) -> pre-norm outputs [B, m, H]."""
         m, tree_slots = depth.shape[1], sees.shape[2]
         q, k, v, residual = head.project(embeds, hidden, self.next_position[:, None] + depth - 1)
-        self.keys = torch.cat([self.keys, k], dim=2)
-        self.values = torch.cat([self.values, v], dim=2)
-        self.mask = torch.cat([self.mask, torch.ones_like(depth, dtype=torch.bool)], dim=1)
+        self.slots.append([(k, v)], torch.ones_like(depth, dtype=torch.bool))
         committed = self.mask[:, None, :-tree_slots].expand(-1, m, -1)  # [B, m, L - S]
         allowed = torch.cat([committed, sees], dim=2)  # [B, m, L]
-        attended = F.scaled_dot_product_attention(
-            q, repeat_kv(self.keys, head.groups), repeat_kv(self.values, head.groups),
-            attn_mask=allowed[:, None])
-        return head.finish(attended, residual)
+        return head.finish(self._attend(head, q, allowed), residual)
 
     def crop(self, n: int, valid: bool = True) -> None:
         """Drop the last n slots of every row (valid: they counted as positions)."""
@@ -73,8 +92,7 @@ class HeadCache:
             return
         if valid:
             self.next_position = self.next_position - self.mask[:, -n:].sum(1)
-        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
-        self.mask = self.mask[:, :-n]
+        self.slots.crop(n)
 
 
 @dataclass
@@ -90,10 +108,11 @@ class Eagle3Draft:
     last verification, keeping its own KV cache of the verified tokens."""
 
     uses_target_hidden = True
-    scores, failures = None, None  # scores: set by propose
+    failures = None
 
     def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
         self.head, self.embed, self.name = head, embedding, name
+        self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
 
     def _features(self, target_hidden) -> torch.Tensor:
         return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
@@ -112,21 +131,31 @@ class Eagle3Draft:
         self.chain = 0
 
     def propose(self, k, sampling, history, generator=None):
-        tokens, probs, scores, hidden = [], [], [], self.hidden
+        """A chain of k, each token drawn on the draft vocabulary (q is zero outside it, so
+        the distribution over the target's vocabulary is q scattered into zeros)."""
+        head, hidden = self.head, self.hidden
+        tokens, probs, logits = [], [], []
         for i in range(k):
-            logits = self.head.full_vocab_logits(self.head.logits(hidden))  # [B, V]
-            q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            token = draw(q, sampling.temperature, generator)  # [B] target ids
+            logits.append(head.logits(hidden))  # [B, Vd]
+            q = sampling_probs(logits[-1], sampling.temperature, sampling.top_p, sampling.top_k)
+            token = head.draft_to_target[draw(q, sampling.temperature, generator)]  # [B]
             tokens.append(token)
             probs.append(q)
-            scores.append(logits)
             if i < k - 1:
-                hidden = self.cache.run(self.head, self._embeds(token[:, None]), hidden[:, None],
+                hidden = self.cache.run(head, self._embeds(token[:, None]), hidden[:, None],
                                         torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
         self.chain = k - 1  # slots to drop once the target has verified
         self.tokens = torch.stack(tokens, 1)  # [B, k]
-        self.scores = torch.stack(scores, 1)  # [B, k, V]
-        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+        self.draft_logits = torch.stack(logits, 1)  # [B, k, Vd]
+        return self.tokens, head.full_vocab_probs(torch.stack(probs, 1))  # [B, k], [B, k, V]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[B, k, V] the last proposal's logits over the target's vocabulary (-inf outside
+        the draft's), made when a tree asks for them; None before any chain."""
+        if self.draft_logits is None:
+            return None
+        return self.head.full_vocab_logits(self.draft_logits)
 
     def propose_tree(self, k: int, width: int, generator=None):
         """EAGLE-2's expansion (decoding.tree.grow_tree) with tree attention inside the head's

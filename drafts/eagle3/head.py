@@ -266,6 +266,11 @@ class Eagle3Head(nn.Module):
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy(-1, self.draft_to_target, draft_logits)
 
+    def full_vocab_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V], zero on target tokens outside the draft vocabulary."""
+        full = draft_probs.new_zeros((*draft_probs.shape[:-1], self.vocab_size))
+        return full.index_copy(-1, self.draft_to_target, draft_probs)
+
     @property
     def groups(self) -> int:
         attn = self.midlayer.self_attn

@@ -283,10 +283,7 @@ def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target):
             path = candidate_path(tokens, parents, row, m)
             sequential = copy.deepcopy(chain_copy)
             hidden, total = sequential.hidden[row : row + 1], 0.0
-            sequential.cache.keys = sequential.cache.keys[row : row + 1]
-            sequential.cache.values = sequential.cache.values[row : row + 1]
-            sequential.cache.mask = sequential.cache.mask[row : row + 1]
-            sequential.cache.next_position = sequential.cache.next_position[row : row + 1]
+            sequential.cache = sequential.cache.rows(slice(row, row + 1))
             for i, token in enumerate(path):
                 logp = torch.log_softmax(head.full_vocab_logits(head.logits(hidden)).float(), -1)
                 total += float(logp[0, token])

@@ -82,6 +82,19 @@ def test_a_sampled_block_plan_is_a_seeded_subset_and_repeats():
     assert not torch.equal(block_plan(other, 3, per_row=5).starts, a.starts)
 
 
+def test_block_attention_reads_grouped_kv_heads_as_their_repeated_copies():
+    torch.manual_seed(1)
+    q = torch.randn(2, 6, 3, 4, 8)  # 6 query heads over 2 kv heads
+    kb, vb = torch.randn(2, 2, 3, 4, 8), torch.randn(2, 2, 3, 4, 8)
+    kc, vc = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    allowed = torch.rand(2, 3, 7) > 0.4
+    grouped = block_attention(q, kb, vb, kc, vc, allowed)
+    repeated = block_attention(q, *(x.repeat_interleave(3, 1) for x in (kb, vb, kc, vc)),
+                               allowed)
+    torch.testing.assert_close(grouped, repeated)
+    assert grouped.shape == q.shape
+
+
 def test_block_attention_is_non_causal_inside_a_block_and_blind_past_its_start():
     torch.manual_seed(0)
     q, kb, vb = (torch.randn(1, 2, 1, 4, 8) for _ in range(3))
