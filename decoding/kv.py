@@ -13,11 +13,22 @@ import torch
 
 
 class CachedLM:
-    """A causal LM with its cache, its slot mask [B, L] and each row's next position [B]."""
+    """A causal LM with its cache, its slot mask [B, L] and each row's next position [B].
 
-    def __init__(self, model, keep_hidden_states: bool = False):
+    vocabulary: sorted target ids [Vd]: the head scores these alone (its weight's rows, taken
+    once) and every logits tensor returned is over them, [..., Vd]; None: the whole vocabulary.
+    """
+
+    def __init__(self, model, keep_hidden_states: bool = False,
+                 vocabulary: torch.Tensor | None = None):
         self.model = model
         self.keep_hidden_states = keep_hidden_states
+        self.head = None
+        if vocabulary is not None:
+            head = model.get_output_embeddings()
+            rows = vocabulary.to(head.weight.device)
+            self.head = (head.weight[rows].detach().clone(),
+                         None if head.bias is None else head.bias[rows].detach().clone())
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
         """With keep_hidden_states: the last forward's hidden states, one [B, t, H] per layer
         (HF output_hidden_states: embeddings first, the post-norm last hidden state last)."""
@@ -37,25 +48,34 @@ class CachedLM:
         self.cache = DynamicCache()
         self.mask = attention_mask.clone()
         positions = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [B, T]
-        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=self.keep_hidden_states)
-        self.hidden_states = out.hidden_states
+        logits = self._forward(input_ids, self.mask, positions, last_only=True)
         self.next_position = attention_mask.sum(1)
-        return out.logits[:, -1]
+        return logits[:, -1]
+
+    def _forward(self, input_ids, attention_mask, positions, last_only: bool = False):
+        """One forward through the cache -> logits [B, t (1 if last_only), V or Vd]."""
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                      past_key_values=self.cache, use_cache=True,
+                      output_hidden_states=self.keep_hidden_states)
+        if self.head is None:
+            out = self.model(**kwargs, logits_to_keep=1 if last_only else 0)
+            self.hidden_states = out.hidden_states
+            return out.logits
+        out = self.model.get_decoder()(**kwargs)
+        self.hidden_states = out.hidden_states
+        hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        return torch.nn.functional.linear(hidden.to(self.head[0].dtype), *self.head)
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits [B, t, V]."""
+        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits [B, t, V]
+        (or [B, t, Vd] with a vocabulary)."""
         valid = valid.long()
         positions = self.next_position[:, None] + (valid.cumsum(1) - valid)  # [B, t]
         self.mask = torch.cat([self.mask, valid], dim=1)
-        out = self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.keep_hidden_states)
-        self.hidden_states = out.hidden_states
+        logits = self._forward(tokens, self.mask, positions)
         self.next_position = self.next_position + valid.sum(1)
-        return out.logits
+        return logits
 
     def reject_last(self, num_rejected: torch.Tensor) -> None:
         """Drop each row's last num_rejected [B] slots: the slots every row rejects are cut from
@@ -87,11 +107,7 @@ class CachedLM:
         old = self.mask.bool()[:, None, :].expand(batch, size, -1)  # [B, N, L]
         attend = torch.cat([old, seen], dim=2)[:, None]  # [B, 1, N, L + N]
         self.mask = torch.cat([self.mask, valid.long()], dim=1)
-        out = self.model(input_ids=tokens, attention_mask=attend, position_ids=positions,
-                         past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=self.keep_hidden_states)
-        self.hidden_states = out.hidden_states
-        return out.logits
+        return self._forward(tokens, attend, positions)
 
     def drop_tree(self, size: int) -> None:
         """After extend_tree: remove the tree's `size` slots (a draft's expansion, kept nowhere)."""

@@ -19,7 +19,8 @@ from decoding.kv import CachedLM
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
-from drafts.kind import LoadedDraft, SameVocabulary, Slot, TargetHidden
+from drafts.kind import LoadedDraft, Slot, TargetHidden
+from drafts.vocabulary import DraftVocabulary, frequent_labels
 from recipe import ConfigError, TrainConfig
 
 # --- initial drafts --------------------------------------------------------------------------
@@ -151,12 +152,37 @@ def _positive(text: str, spec: str) -> int:
     return int(text)
 
 
+def draft_vocabulary(model) -> DraftVocabulary | None:
+    """The draft vocabulary a model's config carries (config.draft_vocabulary: sorted target
+    ids, written by training with train.draft_vocab_size), or None: the whole vocabulary."""
+    ids = getattr(model.config, "draft_vocabulary", None)
+    if not ids:
+        return None
+    return DraftVocabulary(torch.tensor(ids), model.get_output_embeddings().weight.shape[0])
+
+
+def set_draft_vocabulary(model, examples, size: int, log) -> None:
+    """Restrict the model's head to the `size` most frequent labels of the examples (config
+    draft_vocabulary, saved with the model)."""
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, key, None):
+            raise ConfigError(f"train.draft_vocab_size: the draft transforms its logits "
+                              f"({key}), which a reduced head does not apply; drop "
+                              "train.draft_vocab_size or choose another draft.")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids, covered = frequent_labels(examples, vocab, size)
+    model.config.draft_vocabulary = ids.tolist()
+    log(f"[train] independent draft vocabulary: the {size} most frequent of {vocab} tokens, "
+        f"{100 * covered:.2f} % of the training labels; its head scores these alone")
+
+
 # --- training ----------------------------------------------------------------------------------
 
-class DraftForTraining(SameVocabulary, nn.Module):
+class DraftForTraining(nn.Module):
     """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
     49k vocabulary the head is the largest matmul, and most positions of a conversation (the
-    prompts) carry no loss."""
+    prompts) carry no loss. With a draft vocabulary (train.draft_vocab_size) the head scores its
+    Vd tokens alone, [N, Vd] out, against the target renormalised on them, as it drafts."""
 
     needs_target_hidden = False
     aux_layers = None
@@ -165,6 +191,17 @@ class DraftForTraining(SameVocabulary, nn.Module):
         super().__init__()
         self.lm = lm
         self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
+        self.vocabulary = draft_vocabulary(lm)
+
+    def restrict(self, target_logits, labels):
+        if self.vocabulary is None:
+            return target_logits, labels
+        return self.vocabulary.to(labels.device).restrict(target_logits, labels)
+
+    def expand(self, draft_logits):
+        if self.vocabulary is None:
+            return draft_logits
+        return self.vocabulary.to(draft_logits.device).logits(draft_logits)
 
     def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
         return [Slot(int(pred_mask.sum()), None, None, None)]
@@ -173,20 +210,40 @@ class DraftForTraining(SameVocabulary, nn.Module):
                 target_hidden: TargetHidden | None = None):
         hidden = self.lm.get_decoder()(input_ids=input_ids,
                                        attention_mask=attention_mask).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden[pred_mask])  # [N, V]
+        head = self.lm.get_output_embeddings()
+        if self.vocabulary is None:
+            return head(hidden[pred_mask])  # [N, V]
+        rows = self.vocabulary.to(hidden.device).ids
+        return nn.functional.linear(hidden[pred_mask], head.weight[rows],
+                                    None if head.bias is None else head.bias[rows])  # [N, Vd]
 
 
 # --- serving -----------------------------------------------------------------------------------
 
 class ModelDraft:
-    """The engine's draft: the LM proposes k tokens one by one from its own KV cache."""
+    """The engine's draft: the LM proposes k tokens one by one from its own KV cache. With a
+    draft vocabulary (the model's config.draft_vocabulary) its head scores those tokens alone
+    and q is zero elsewhere."""
 
     uses_target_hidden = False
-    scores = None  # set by propose
 
     def __init__(self, model, name: str = "draft"):
-        self.lm, self.name = CachedLM(model), name
+        self.vocabulary = draft_vocabulary(model)
+        if self.vocabulary is not None:
+            self.vocabulary.to(next(model.parameters()).device)
+        ids = None if self.vocabulary is None else self.vocabulary.ids
+        self.lm, self.name = CachedLM(model, vocabulary=ids), name
         self.failures = None  # [B] bool: rows whose draft produced non-finite logits
+        self.draft_logits = None  # [B, k, V or Vd] behind the last chain
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft's vocabulary -> over the target's (-inf outside)."""
+        return logits if self.vocabulary is None else self.vocabulary.logits(logits)
+
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """[B, k, V] the logits behind the last chain (trees rank alternatives with them)."""
+        return None if self.draft_logits is None else self._full(self.draft_logits)
 
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         self.lm.prefill(input_ids, attention_mask)
@@ -204,7 +261,9 @@ class ModelDraft:
             if broken.any():  # lossless fallback: propose from a uniform q, count the row
                 self.failures |= broken
                 q[broken] = 1.0 / q.shape[-1]
-            token = draw(q, sampling.temperature, generator)  # [B]
+            token = draw(q, sampling.temperature, generator)  # [B] (draft ids with a vocabulary)
+            if self.vocabulary is not None:
+                token = self.vocabulary.ids[token]
             tokens.append(token)
             probs.append(q)
             scores.append(logits)
@@ -212,16 +271,19 @@ class ModelDraft:
                 logits = self.lm.extend(token[:, None], torch.ones_like(token[:, None],
                                                                          dtype=torch.bool))[:, -1]
         self.tokens = torch.stack(tokens, 1)  # [B, k]
-        self.scores = torch.stack(scores, 1)  # [B, k, V]
+        self.draft_logits = torch.stack(scores, 1)  # [B, k, V or Vd]
         self.fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
-        return self.tokens, torch.stack(probs, 1)  # [B, k], [B, k, V]
+        probs = torch.stack(probs, 1)
+        if self.vocabulary is not None:
+            probs = self.vocabulary.probs(probs)
+        return self.tokens, probs  # [B, k], [B, k, V]
 
     def propose_tree(self, k, width, generator=None):
         """EAGLE-2's expansion (decoding.tree.grow_tree): each expansion is one forward over
         every node expanded so far and the frontier, with the tree mask (each sees the cache and
         its ancestors), whose slots are dropped again; the pending tokens stay in the cache.
         Deterministic: every candidate is verified as a fixed one, so sampling stays lossless."""
-        root = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
+        root = self._full(self.lm.extend(self.pending, self.pending_valid)[:, -1])  # [B, V]
         batch, device = root.shape[0], root.device
         self.pending = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.pending_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
@@ -237,7 +299,7 @@ class ModelDraft:
                                          torch.ones_like(nodes, dtype=torch.bool))
             self.lm.drop_tree(nodes.shape[1])
             expanded[0] = nodes
-            return torch.log_softmax(logits[:, -frontier.shape[1]:].float(), dim=-1)
+            return torch.log_softmax(self._full(logits[:, -frontier.shape[1]:]).float(), dim=-1)
 
         candidates = grow_tree(torch.log_softmax(root.float(), dim=-1), k, width, expand)
         self.tokens = torch.zeros(batch, k, dtype=torch.long, device=device)  # accept's shape
@@ -266,7 +328,7 @@ class Independent:
     spec and folder no other kind claims."""
 
     name, description = "independent", "an independent draft model"
-    train_keys = ()
+    train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
     hf_assistant = True
 
@@ -278,6 +340,9 @@ class Independent:
 
     def check_train(self, cfg: TrainConfig) -> None:
         parse_spec(cfg.draft)
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < 1:
+            raise ConfigError("train.draft_vocab_size must be >= 1 (or null: the target's whole "
+                              "vocabulary).")
 
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
         from assets.published import target_facts
@@ -337,6 +402,10 @@ class Independent:
             raise ConfigError("the draft caps its logits (final_logit_softcapping), which the "
                               "training forward does not apply: choose another draft "
                               "architecture.")
+        if cfg.draft_vocab_size is not None:
+            set_draft_vocabulary(draft, examples, cfg.draft_vocab_size, log)
+        elif getattr(draft.config, "draft_vocabulary", None):
+            draft.config.draft_vocabulary = None  # a pretrained draft's: this run scores all
         draft = draft.to(device=target.device, dtype=torch.float32)
         draft.requires_grad_(True)
         return draft.train()
@@ -361,7 +430,9 @@ class Independent:
                                layer_truncated(target, n))
         draft = pretrained_draft(spec, target, tokenizer, dtype).eval().to(device)
         draft.requires_grad_(False)
-        return LoadedDraft(spec, self, draft)
+        vocabulary = draft_vocabulary(draft)
+        name = spec if vocabulary is None else f"{spec} (draft vocabulary {len(vocabulary.ids)})"
+        return LoadedDraft(name, self, draft)
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ModelDraft:
         return ModelDraft(loaded.model, name)
@@ -373,7 +444,15 @@ class Independent:
                               f"{target_shape[1]}: a draft must use the target's tokenizer.")
 
     def write_export(self, draft_folder, out, k, fmt, verifier) -> None:
-        pass  # the HF folder as trained is what vLLM's draft_model and transformers load
+        """The HF folder as trained is what vLLM's draft_model and transformers load. Neither
+        has a reduced head for a draft model: they draft over the whole vocabulary with the
+        full lm_head the folder keeps (still lossless; acceptance may differ a little from our
+        engine's)."""
+        size = len((read_config(draft_folder) or {}).get("draft_vocabulary") or [])
+        if size:
+            print(f"[export] the draft's head scores {size} tokens in draftsmith's engine; "
+                  f"{fmt} serves it with the full lm_head the folder keeps (no engine serves a "
+                  "reduced head for a draft model)")
 
     def export_name(self, fmt: str) -> str:
         return "draft-model"

@@ -6,8 +6,6 @@ the head in our engine; this module is what the rest of draftsmith asks of the k
 
 from __future__ import annotations
 
-import torch
-
 from assets.published import layer_parameters
 from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, HeadCache
 from drafts.eagle3.head import (
@@ -26,6 +24,7 @@ from drafts.eagle3.head import (
 from drafts.eagle3.training import Eagle3ForTraining, unroll
 from drafts.folders import WEIGHTS_NAME, save_folder
 from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay
+from drafts.vocabulary import frequent_labels
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
@@ -89,15 +88,7 @@ class Eagle3:
         aux_layers = check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
         vocab_size = target.get_output_embeddings().weight.shape[0]
         size = cfg.draft_vocab_size or min(32000, vocab_size)
-        if size > vocab_size:
-            raise ConfigError(f"train.draft_vocab_size={size} is larger than the target's "
-                              f"vocabulary ({vocab_size} tokens): set it to at most {vocab_size}.")
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for e in examples:
-            labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
-            counts += torch.bincount(labels, minlength=vocab_size)
-        draft_ids = most_frequent_ids(counts, size)
-        covered = float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
+        draft_ids, covered = frequent_labels(examples, vocab_size, size)
         log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
             f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
         head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init).float()

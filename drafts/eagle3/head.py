@@ -24,10 +24,8 @@ import torch
 from torch import nn
 
 from drafts.folders import load_folder, save_folder
+from drafts.vocabulary import IGNORE, most_frequent_ids  # noqa: F401 (re-exported)
 from recipe import ConfigError
-
-IGNORE = -100  # a label outside the draft vocabulary (F.cross_entropy's ignore_index)
-
 
 # --- aux layers ----------------------------------------------------------------------------
 
@@ -52,17 +50,6 @@ def check_aux_layers(layers: list[int], num_layers: int) -> list[int]:
 
 
 # --- draft vocabulary --------------------------------------------------------------------
-
-def most_frequent_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """counts [V] -> the `size` most frequent target ids (ties: the lower id), sorted: [Vd]."""
-    vocab = counts.shape[0]
-    if not 1 <= size <= vocab:
-        raise ConfigError(f"train.draft_vocab_size={size} must be in [1, {vocab}] (the target's "
-                          "vocabulary).")
-    ids = torch.arange(vocab)
-    order = torch.argsort(counts.double() * (vocab + 1) - ids.double(), descending=True, stable=True)
-    return order[:size].sort().values
-
 
 def vocab_maps(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted target ids [Vd] -> (d2t [Vd] int64: target = draft + d2t[draft], t2d [V] bool)."""

@@ -73,18 +73,31 @@ def _drafts(target):
     random_heads = MedusaHeads(64, VOCAB, num_heads=4, num_layers=2).eval()
     return {"self": ModelDraft(target), "other": ModelDraft(_tiny(3)),
             "noisy copy": ModelDraft(_noisy_copy(target)),
+            "noisy copy, draft vocabulary": ModelDraft(_with_vocabulary(target,
+                                                                        _noisy_copy(target))),
             "prompt lookup": PromptLookupDraft(VOCAB), "nan": ModelDraft(nan_model),
             "medusa": MedusaDraft(MedusaHeads.from_target(target, num_heads=4).eval()),
             "fitted medusa": MedusaDraft(_fitted_medusa(target)),
             "random medusa": MedusaDraft(random_heads)}
 
 
+def _with_vocabulary(target, model):
+    """The model's head restricted to the tokens of the target's answers but their largest (as
+    training picks the most frequent labels; that one the draft can never propose): its q is
+    zero on every other token."""
+    prompts, _, _ = _prompts([5, 17, 9])
+    answered = sorted({t for p in prompts for t in _reference(target, p, 40)})
+    model.config.draft_vocabulary = answered[:-1]
+    return model
+
+
 # drafts meant to be right often: a test with them proves something only if they were
-ACCEPTING = {"self", "noisy copy", "fitted medusa"}
+ACCEPTING = {"self", "noisy copy", "noisy copy, draft vocabulary", "fitted medusa"}
 
 
-@pytest.mark.parametrize("draft_name", ["none", "self", "other", "noisy copy", "prompt lookup",
-                                        "nan", "medusa", "fitted medusa", "random medusa"])
+@pytest.mark.parametrize("draft_name", ["none", "self", "other", "noisy copy",
+                                        "noisy copy, draft vocabulary", "prompt lookup", "nan",
+                                        "medusa", "fitted medusa", "random medusa"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculation_equals_target_greedy_batched(target, draft_name, k):
     prompts, ids, mask = _prompts([5, 17, 9])

@@ -43,6 +43,10 @@ def _draft(kind: str, target):
     torch.manual_seed(11)
     if kind == "independent":
         return ModelDraft(_tiny(5, layers=1))
+    if kind == "independent, draft vocabulary":  # its head scores 6 of 8 tokens: q is 0 on 4, 7
+        model = _tiny(5, layers=1)
+        model.config.draft_vocabulary = [0, 1, 2, 3, 5, 6]
+        return ModelDraft(model)
     if kind == "medusa":
         return MedusaDraft(MedusaHeads(32, VOCAB, num_heads=K, num_layers=1).eval())
     if kind == "eagle3":  # a draft vocabulary without tokens 4 and 7: the target adds them
@@ -108,7 +112,8 @@ def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: i
     return prompts, out, settings
 
 
-KINDS = ["independent", "medusa", "eagle3", "dflash", "pard", "prompt lookup"]
+KINDS = ["independent", "independent, draft vocabulary", "medusa", "eagle3", "dflash", "pard",
+         "prompt lookup"]
 BROKEN = {  # wrong rules that a bias check must catch
     "accept with q/p": ("acceptance_mask", lambda p, q, u: u * p < q),
     "resample from p": ("residual_distribution", lambda p, q: p),
@@ -136,7 +141,7 @@ def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
 
 
 TREES = [("independent", False, 0), ("medusa", False, 0), ("dflash", False, 0),
-         ("eagle3", True, 8)]
+         ("eagle3", True, 8), ("independent, draft vocabulary", False, 4)]
 
 
 @pytest.mark.parametrize("kind,ngram_branch,tree_nodes", TREES)

@@ -49,6 +49,32 @@ def test_a_fresh_tiny_draft_learns_the_target(tiny_run):
     assert draft_config["num_hidden_layers"] == 1
 
 
+def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tiny_run):
+    from assets.target import load_target, load_tokenizer, resolve_target
+    from drafts import engine_draft, load_draft
+    from drafts.vocabulary import frequent_labels
+    from train.data import load_stage1
+
+    cfg = tiny_run("train.draft_vocab_size=512", "train.loss=fkl")
+    summary = _train(cfg)
+    losses = _losses(cfg.run.output_path)  # against the target renormalised on the 512
+    assert losses[6] < 0.8 * losses[1]
+    # the tiny random target spreads ~99 % of its mass over the other 48,640 tokens, which the
+    # draft never proposes: sampled acceptance is that small, its argmax always inside
+    assert summary.after["tau"] < 1.05 and summary.after["greedy_tau"] == 4.0
+    ids = json.loads((summary.draft_dir / "config.json").read_text())["draft_vocabulary"]
+    resolved = resolve_target(cfg.model)
+    target = load_target(resolved, "float32", torch.device("cpu"))
+    vocab = target.config.vocab_size
+    data = load_stage1(cfg, resolved.fingerprint)
+    assert ids == frequent_labels(data.train, vocab, 512)[0].tolist()
+    loaded = load_draft(str(summary.draft_dir), target, load_tokenizer(resolved, {}),
+                        torch.float32, torch.device("cpu"))
+    draft = engine_draft(loaded)
+    assert draft.vocabulary.ids.tolist() == ids and "draft vocabulary 512" in loaded.name
+    assert draft.lm.head[0].shape == (512, target.config.hidden_size)
+
+
 def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
     # the last step's draft (the best one survives a kill: tests/train/test_best_draft.py)
     cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", "train.keep=last")

@@ -1,0 +1,79 @@
+"""A draft's own vocabulary: the most frequent label tokens of the training conversations. A
+draft that scores only these (EAGLE-3's d2t, train.draft_vocab_size for an independent draft)
+spends its head's arithmetic on them alone; its distribution is zero on every other token,
+which verification handles like any other q, so decoding stays lossless."""
+
+from __future__ import annotations
+
+import torch
+
+from recipe import ConfigError
+
+IGNORE = -100  # a label outside the draft vocabulary (F.cross_entropy's ignore_index)
+
+
+def most_frequent_ids(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """counts [V] -> the `size` most frequent target ids (ties: the lower id), sorted: [Vd]."""
+    vocab = counts.shape[0]
+    if not 1 <= size <= vocab:
+        raise ConfigError(f"train.draft_vocab_size={size} must be in [1, {vocab}] (the target's "
+                          "vocabulary).")
+    ids = torch.arange(vocab)
+    order = torch.argsort(counts.double() * (vocab + 1) - ids.double(), descending=True,
+                          stable=True)
+    return order[:size].sort().values
+
+
+def label_counts(examples, vocab_size: int) -> torch.Tensor:
+    """How often each target token is a label (a loss position's token) -> [V] int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        labels = torch.tensor(e.input_ids)[torch.tensor(e.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(labels, minlength=vocab_size)
+    return counts
+
+
+def frequent_labels(examples, vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent labels of the examples, sorted [Vd], and the share of all
+    labels they cover."""
+    if size > vocab_size:
+        raise ConfigError(f"train.draft_vocab_size={size} is larger than the target's "
+                          f"vocabulary ({vocab_size} tokens): set it to at most {vocab_size}.")
+    counts = label_counts(examples, vocab_size)
+    ids = most_frequent_ids(counts, size)
+    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
+class DraftVocabulary:
+    """Sorted target ids [Vd] a draft scores, out of the target's V: the maps between them."""
+
+    def __init__(self, ids: torch.Tensor, vocab_size: int):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        if ids.ndim != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()) \
+                or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+            raise ConfigError(f"a draft vocabulary must be increasing target ids in [0, "
+                              f"{vocab_size}); got {len(ids)} ids that are not: retrain the "
+                              "draft or remove its draft_vocabulary from config.json.")
+        self.ids, self.vocab_size = ids, vocab_size
+        self.index = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+        self.index[ids] = torch.arange(len(ids))  # [V] the draft id of each target id
+
+    def to(self, device) -> DraftVocabulary:
+        self.ids, self.index = self.ids.to(device), self.index.to(device)
+        return self
+
+    def restrict(self, target_logits: torch.Tensor | None, labels: torch.Tensor):
+        """The target's logits [N, V] on the draft's ids [N, Vd] (a softmax over them is the
+        target renormalised there) and labels [N] as draft ids (IGNORE outside)."""
+        restricted = None if target_logits is None else target_logits[:, self.ids]
+        return restricted, self.index[labels]
+
+    def logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V], -inf on tokens outside the draft vocabulary."""
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.ids, draft_logits)
+
+    def probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V], zero outside the draft vocabulary."""
+        full = draft_probs.new_zeros((*draft_probs.shape[:-1], self.vocab_size))
+        return full.index_copy(-1, self.ids, draft_probs)
