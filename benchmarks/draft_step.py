@@ -3,6 +3,9 @@
     .venv/bin/python -m benchmarks.draft_step [--kinds independent,medusa,eagle3,dflash,pard]
         [--k-max 8] [--new-tokens 48] [--prompts 2] [--dtype float32] [--profile-k 4]
 
+A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
+scores N tokens (the first N ids: which ones does not change a step's cost).
+
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
 shipped recipes (configs/smollm2-135m-<kind>.yaml: their draft, block size, draft vocabulary)
@@ -43,9 +46,14 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     from train.data import Example
     from train.loop import check_train_config
 
+    kind, _, vocabulary = kind.partition("@")
     cfg = load_config(ROOT / "configs" / f"smollm2-135m-{kind}.yaml", [])
     if kind == "independent":  # a spec, not a folder: the target's first layers
-        return load_draft(cfg.train.draft, target, tokenizer, dtype, device)
+        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device)
+        if vocabulary:
+            loaded.model.config.draft_vocabulary = list(range(int(vocabulary)))
+            loaded.name += f", draft vocabulary {vocabulary}"
+        return loaded
     tcfg = cfg.train
     draft_kind = check_train_config(tcfg)
     torch.manual_seed(0)
