@@ -178,20 +178,19 @@ def set_draft_vocabulary(model, examples, size: int, log) -> None:
 
 # --- training ----------------------------------------------------------------------------------
 
-class DraftForTraining(nn.Module):
-    """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
-    49k vocabulary the head is the largest matmul, and most positions of a conversation (the
-    prompts) carry no loss. With a draft vocabulary (train.draft_vocab_size) the head scores its
-    Vd tokens alone, [N, Vd] out, against the target renormalised on them, as it drafts."""
+class LMHead:
+    """What an LM draft's training wrapper (self.lm, self.vocabulary) does with its head: the
+    whole vocabulary, or with a draft vocabulary (train.draft_vocab_size) its Vd tokens alone,
+    scored against the target renormalised on them, as it drafts."""
 
-    needs_target_hidden = False
-    aux_layers = None
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
-        self.vocabulary = draft_vocabulary(lm)
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, H] -> logits [M, V], or [M, Vd] with a draft vocabulary."""
+        head = self.lm.get_output_embeddings()
+        if self.vocabulary is None:
+            return head(hidden)
+        rows = self.vocabulary.to(hidden.device).ids
+        return nn.functional.linear(hidden, head.weight[rows],
+                                    None if head.bias is None else head.bias[rows])
 
     def restrict(self, target_logits, labels):
         if self.vocabulary is None:
@@ -203,6 +202,21 @@ class DraftForTraining(nn.Module):
             return draft_logits
         return self.vocabulary.to(draft_logits.device).logits(draft_logits)
 
+
+class DraftForTraining(LMHead, nn.Module):
+    """An independent draft LM: logits only at the N loss positions, [B, T] in, [N, V] out. Over a
+    49k vocabulary the head is the largest matmul, and most positions of a conversation (the
+    prompts) carry no loss."""
+
+    needs_target_hidden = False
+    aux_layers = None
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
+        self.vocabulary = draft_vocabulary(lm)
+
     def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
         return [Slot(int(pred_mask.sum()), None, None, None)]
 
@@ -210,12 +224,7 @@ class DraftForTraining(nn.Module):
                 target_hidden: TargetHidden | None = None):
         hidden = self.lm.get_decoder()(input_ids=input_ids,
                                        attention_mask=attention_mask).last_hidden_state
-        head = self.lm.get_output_embeddings()
-        if self.vocabulary is None:
-            return head(hidden[pred_mask])  # [N, V]
-        rows = self.vocabulary.to(hidden.device).ids
-        return nn.functional.linear(hidden[pred_mask], head.weight[rows],
-                                    None if head.bias is None else head.bias[rows])  # [N, Vd]
+        return self.head(hidden[pred_mask])  # [N, V or Vd]
 
 
 # --- serving -----------------------------------------------------------------------------------

@@ -22,10 +22,14 @@ from torch import nn
 from decoding.kv import CachedLM
 from decoding.speculative import draw, sampling_probs
 from drafts.folders import read_config
-from drafts.independent import Independent, parse_spec, pretrained_draft
+from drafts.independent import (
+    Independent,
+    LMHead,
+    draft_vocabulary,
+    pretrained_draft,
+)
 from drafts.kind import (
     LoadedDraft,
-    SameVocabulary,
     Slot,
     TargetHidden,
     chain_slots,
@@ -37,7 +41,7 @@ from recipe import ConfigError, TrainConfig
 PREFIX = "pard:"
 
 
-class PardForTraining(SameVocabulary, nn.Module):
+class PardForTraining(LMHead, nn.Module):
     """Draft position 1 at every loss position (the LM's own next-token output), positions
     2..k at the masks of each planned block; position j weighs decay**(j-1)."""
 
@@ -49,6 +53,7 @@ class PardForTraining(SameVocabulary, nn.Module):
         self.lm, self.k, self.decay = lm, k, decay
         self.starts_per_row, self.mask_id = starts_per_row, mask_id
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
+        self.vocabulary = draft_vocabulary(lm)
 
     def plan(self, pred_mask):
         return block_plan(pred_mask, self.k, self.starts_per_row)
@@ -69,7 +74,7 @@ class PardForTraining(SameVocabulary, nn.Module):
         if self.k > 1:
             masks = hidden[:, length:].view(*plan.starts.shape, self.k - 1, -1)  # [B, S, k-1, H]
             rows += [masks[:, :, j - 2][plan.scored[j - 1]] for j in range(2, self.k + 1)]
-        return self.lm.get_output_embeddings()(torch.cat(rows))  # [M, V]
+        return self.head(torch.cat(rows))  # [M, V or Vd]
 
 
 class ParallelModelDraft:
@@ -77,13 +82,25 @@ class ParallelModelDraft:
     (k-1)] proposes k tokens; the masks are dropped from its KV cache right after."""
 
     uses_target_hidden = False
-    scores, failures, propose_tree = None, None, None  # scores: set by propose
+    failures, propose_tree = None, None
 
     def __init__(self, model, mask_id: int, name: str = "pard"):
         self.model, self.mask_id, self.name = model, mask_id, name
+        self.vocabulary = draft_vocabulary(model)  # its head scores these alone, if any
+        if self.vocabulary is not None:
+            self.vocabulary.to(next(model.parameters()).device)
+        self.draft_logits = None  # [B, k, V or Vd] behind the last proposal
+
+    @property
+    def scores(self) -> torch.Tensor | None:
+        """[B, k, V] the logits behind the last proposal (trees rank alternatives with them)."""
+        if self.draft_logits is None or self.vocabulary is None:
+            return self.draft_logits
+        return self.vocabulary.logits(self.draft_logits)
 
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
-        self.lm = CachedLM(self.model)
+        self.lm = CachedLM(self.model, vocabulary=None if self.vocabulary is None
+                           else self.vocabulary.ids)
         self.lm.prefill(input_ids, attention_mask)
         self.pending = first_token[:, None]  # [B, w]: fed before the masks
         self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
@@ -96,7 +113,9 @@ class ParallelModelDraft:
         self.lm.reject_last(torch.full((batch,), k - 1, device=masks.device))
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         self.tokens = draw(q, sampling.temperature, generator)  # [B, k]
-        self.scores = logits  # [B, k, V]
+        self.draft_logits = logits  # [B, k, V or Vd]
+        if self.vocabulary is not None:  # draft ids -> target ids, q zero outside
+            self.tokens, q = self.vocabulary.ids[self.tokens], self.vocabulary.probs(q)
         return self.tokens, q  # [B, k], [B, k, V]
 
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
@@ -113,7 +132,8 @@ class Pard:
     """An independent draft LM trained to fill k-1 mask tokens after its context."""
 
     name, description = "pard", "a PARD parallel draft model"
-    train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id")
+    train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id",
+                  "draft_vocab_size")
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
 
@@ -131,7 +151,7 @@ class Pard:
         if not inner:
             raise ConfigError("train.draft='pard:' names no draft: write 'pard:layer-truncated:6' "
                               "or 'pard:<a trained independent draft folder>'.")
-        parse_spec(inner)
+        Independent().check_train(self._inner(cfg))
         check_blocks(cfg, "PARD")
 
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:

@@ -62,6 +62,10 @@ def _draft(kind: str, target):
         return DFlashDraft(head.eval(), target.get_input_embeddings())
     if kind == "pard":  # another tiny LM, K tokens per forward with K-1 masks (token 7)
         return ParallelModelDraft(_tiny(5, layers=1), mask_id=7)
+    if kind == "pard, draft vocabulary":  # q is 0 on tokens 4 and 7
+        model = _tiny(5, layers=1)
+        model.config.draft_vocabulary = [0, 1, 2, 3, 5, 6]
+        return ParallelModelDraft(model, mask_id=7)
     return PromptLookupDraft(VOCAB, max_ngram=3, min_ngram=1)
 
 
@@ -113,7 +117,7 @@ def _sample(target, kind: str, temperature: float, seed: int = 3, global_seed: i
 
 
 KINDS = ["independent", "independent, draft vocabulary", "medusa", "eagle3", "dflash", "pard",
-         "prompt lookup"]
+         "pard, draft vocabulary", "prompt lookup"]
 BROKEN = {  # wrong rules that a bias check must catch
     "accept with q/p": ("acceptance_mask", lambda p, q, u: u * p < q),
     "resample from p": ("residual_distribution", lambda p, q: p),

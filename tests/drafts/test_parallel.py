@@ -164,12 +164,14 @@ def test_dflash_trains_on_exactly_what_it_serves(target, dflash):
     _check_same_distributions(logits, slots, q, 0, start)
 
 
-def test_pard_trains_on_exactly_what_it_serves():
+@pytest.mark.parametrize("vocabulary", [None, [0, 2, 3, 5, 8, 9, 11, 20, 33, 41, 49]])
+def test_pard_trains_on_exactly_what_it_serves(vocabulary):
     lm = _lm(5, layers=2)
+    lm.config.draft_vocabulary = vocabulary  # its head scores these alone, in both
     ids, attention, pred = _batch()
     wrapped = PardForTraining(lm, K, 0.8, 0, MASK)
     with torch.no_grad():
-        logits = wrapped(ids, attention, pred)
+        logits = wrapped.expand(wrapped(ids, attention, pred))
     slots = wrapped.slots(pred)
     assert logits.shape[0] == sum(s.count for s in slots)
     draft = ParallelModelDraft(lm, MASK)
