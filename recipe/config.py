@@ -479,11 +479,11 @@ class TrainConfig:
     input of decoder layer k, vLLM's EAGLE-3 convention; EAGLE-3 takes three); None: vLLM's
     default (2, n//2, n-3)."""
     draft_vocab_size: int | None = None
-    """EAGLE-3 and independent drafts: the draft vocabulary, the Vd most frequent target tokens
+    """EAGLE-3, independent and PARD drafts: the draft vocabulary, the Vd most frequent tokens
     among the training labels, the only tokens the draft's head scores (its q is zero on the
     rest, which verification keeps lossless); None: min(32000, V) for EAGLE-3, the whole
-    vocabulary for an independent draft (vLLM and llama.cpp serve an independent draft with its
-    full head either way)."""
+    vocabulary for an LM draft (vLLM and llama.cpp serve an LM draft with its full head either
+    way)."""
     ttt_steps: int = 7
     """EAGLE-3 training-time test: draft steps unrolled per position, step j feeding the head
     its own output of step j-1."""
