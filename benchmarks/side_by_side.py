@@ -516,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
             flags = speculators_flags(cfg, kind, resolved.path, data_dir,
                                       folder / "checkpoints", ratio, args.epochs, aux_layers,
                                       bf16, per_step, mask_token)
+            if folder.exists():  # a killed run's: its log and clock would mix with this one's
+                print(f"[side-by-side] {peer}: the unfinished run in {folder} is started over")
+                shutil.rmtree(folder)
             print(f"[side-by-side] {peer}: training ({args.epochs} epochs), log "
                   f"{folder / 'train.log'}")
             found = train_speculators(python, flags, folder / "train.log")
