@@ -18,9 +18,10 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
    final norm, [T, 4, H]); for EAGLE-3 the draft vocabulary our trainer picked (the most
    frequent training labels) written as the peer's d2t / t2d, for DFlash our mask token;
-4. our trainer, then each peer's, for the same epochs: the wall time of each (features
-   excluded: they are shared) and the training tokens/s of its optimizer steps, as each
-   trainer's own clock times them;
+4. our trainer (resumed from its checkpoints), then each peer's (started over if killed, so
+   that one run is timed), for the same epochs: the wall time of each (features excluded: they
+   are shared) and the training tokens/s of its optimizer steps, as each trainer's own clock
+   times them: over all steps, and the median step's (robust to other work on the CPU);
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED and
