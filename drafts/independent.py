@@ -172,7 +172,7 @@ def set_draft_vocabulary(model, examples, size: int, log) -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     ids, covered = frequent_labels(examples, vocab, size)
     model.config.draft_vocabulary = ids.tolist()
-    log(f"[train] independent draft vocabulary: the {size} most frequent of {vocab} tokens, "
+    log(f"[train] draft vocabulary: the {size} most frequent of {vocab} tokens, "
         f"{100 * covered:.2f} % of the training labels; its head scores these alone")
 
 
