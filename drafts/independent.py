@@ -155,7 +155,7 @@ def _positive(text: str, spec: str) -> int:
 def draft_vocabulary(model) -> DraftVocabulary | None:
     """The draft vocabulary a model's config carries (config.draft_vocabulary: sorted target
     ids, written by training with train.draft_vocab_size), or None: the whole vocabulary."""
-    ids = getattr(model.config, "draft_vocabulary", None)
+    ids = getattr(getattr(model, "config", None), "draft_vocabulary", None)
     if not ids:
         return None
     return DraftVocabulary(torch.tensor(ids), model.get_output_embeddings().weight.shape[0])

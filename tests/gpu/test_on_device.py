@@ -90,7 +90,7 @@ def test_greedy_speculation_equals_the_targets_greedy_on_the_device(target, devi
     speculated = generate(target, ids, mask, _settings(tree, ngram, nodes), {VOCAB + 1},
                           drafted(kind, device))
     assert speculated.tokens == plain.tokens
-    if kind not in ("independent", "pard"):  # test_sampling's tiny LM drafts are never right
+    if not kind.startswith(("independent", "pard")):  # test_sampling's tiny LMs are never right
         assert sum(s.accepted for s in speculated.stats) > 0  # accepted drafts compared too
 
 
