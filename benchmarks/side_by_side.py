@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out, aux_layers,
                       tokenizer.pad_token_id)  # ours, written before its clock starts
         trained["draftsmith"] = train_ours(cfg)
+        results.pop("vllm_setting", None)  # a head trained now is measured now
         results_path.write_text(json.dumps(results, indent=2) + "\n")
     bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
 
@@ -527,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
             found.update(folder=str(latest_speculators_checkpoint(folder / "checkpoints")),
                          flags=flags, features_vs_ours=mismatch)
             trained[peer] = found
+            results.pop("vllm_setting", None)
             results_path.write_text(json.dumps(results, indent=2) + "\n")
         heads[peer] = Path(trained[peer]["folder"])
     if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were
@@ -544,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     eos = end_of_turn_ids(target, tokenizer)
     setting = {"heads": {name: str(folder) for name, folder in heads.items()},
                "questions": len(prompts), "max_new_tokens": args.max_new_tokens, "k": cfg.eval.k}
-    if results.get("vllm_setting") != setting:  # measured once per heads and setting
+    if results.get("vllm_setting") != setting:  # once per trained heads and setting
         print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
               f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
         results["vllm"] = measure(resolved.path, prompts, eos, heads, VLLM_METHOD[kind],
