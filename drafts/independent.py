@@ -154,11 +154,13 @@ def _positive(text: str, spec: str) -> int:
 
 def draft_vocabulary(model) -> DraftVocabulary | None:
     """The draft vocabulary a model's config carries (config.draft_vocabulary: sorted target
-    ids, written by training with train.draft_vocab_size), or None: the whole vocabulary."""
+    ids, written by training with train.draft_vocab_size), on its head's device, or None: the
+    whole vocabulary."""
     ids = getattr(getattr(model, "config", None), "draft_vocabulary", None)
     if not ids:
         return None
-    return DraftVocabulary(torch.tensor(ids), model.get_output_embeddings().weight.shape[0])
+    weight = model.get_output_embeddings().weight
+    return DraftVocabulary(torch.tensor(ids), weight.shape[0]).to(weight.device)
 
 
 def set_draft_vocabulary(model, examples, size: int, log) -> None:
@@ -238,8 +240,6 @@ class ModelDraft:
 
     def __init__(self, model, name: str = "draft"):
         self.vocabulary = draft_vocabulary(model)
-        if self.vocabulary is not None:
-            self.vocabulary.to(next(model.parameters()).device)
         ids = None if self.vocabulary is None else self.vocabulary.ids
         self.lm, self.name = CachedLM(model, vocabulary=ids), name
         self.failures = None  # [B] bool: rows whose draft produced non-finite logits

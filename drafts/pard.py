@@ -87,8 +87,6 @@ class ParallelModelDraft:
     def __init__(self, model, mask_id: int, name: str = "pard"):
         self.model, self.mask_id, self.name = model, mask_id, name
         self.vocabulary = draft_vocabulary(model)  # its head scores these alone, if any
-        if self.vocabulary is not None:
-            self.vocabulary.to(next(model.parameters()).device)
         self.draft_logits = None  # [B, k, V or Vd] behind the last proposal
 
     @property

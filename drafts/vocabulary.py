@@ -44,6 +44,14 @@ def frequent_labels(examples, vocab_size: int, size: int) -> tuple[torch.Tensor,
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
+def scatter(draft_values: torch.Tensor, ids: torch.Tensor, vocab_size: int,
+            fill: float) -> torch.Tensor:
+    """Values over a draft vocabulary [..., Vd] at target ids [Vd] -> [..., V], `fill` on the
+    other tokens (-inf for logits, 0 for probabilities)."""
+    full = draft_values.new_full((*draft_values.shape[:-1], vocab_size), fill)
+    return full.index_copy(-1, ids, draft_values)
+
+
 class DraftVocabulary:
     """Sorted target ids [Vd] a draft scores, out of the target's V: the maps between them."""
 
@@ -70,10 +78,8 @@ class DraftVocabulary:
 
     def logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] -> [..., V], -inf on tokens outside the draft vocabulary."""
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.ids, draft_logits)
+        return scatter(draft_logits, self.ids, self.vocab_size, float("-inf"))
 
     def probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """[..., Vd] -> [..., V], zero outside the draft vocabulary."""
-        full = draft_probs.new_zeros((*draft_probs.shape[:-1], self.vocab_size))
-        return full.index_copy(-1, self.ids, draft_probs)
+        return scatter(draft_probs, self.ids, self.vocab_size, 0.0)

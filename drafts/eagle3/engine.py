@@ -14,6 +14,7 @@ from decoding.tree import grow_tree
 from drafts.eagle3.head import Eagle3Head
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
+from drafts.vocabulary import scatter
 
 
 class HeadCache:
@@ -123,6 +124,7 @@ class Eagle3Draft:
 
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
         batch = input_ids.shape[0]
+        self.draft_ids = self.head.draft_to_target  # [Vd] target ids: once a batch, not a token
         self.cache = HeadCache(batch, self.head, input_ids.device)
         following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
         out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
@@ -138,7 +140,7 @@ class Eagle3Draft:
         for i in range(k):
             logits.append(head.logits(hidden))  # [B, Vd]
             q = sampling_probs(logits[-1], sampling.temperature, sampling.top_p, sampling.top_k)
-            token = head.draft_to_target[draw(q, sampling.temperature, generator)]  # [B]
+            token = self.draft_ids[draw(q, sampling.temperature, generator)]  # [B]
             tokens.append(token)
             probs.append(q)
             if i < k - 1:
@@ -147,7 +149,8 @@ class Eagle3Draft:
         self.chain = k - 1  # slots to drop once the target has verified
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.draft_logits = torch.stack(logits, 1)  # [B, k, Vd]
-        return self.tokens, head.full_vocab_probs(torch.stack(probs, 1))  # [B, k], [B, k, V]
+        probs = scatter(torch.stack(probs, 1), self.draft_ids, head.vocab_size, 0.0)
+        return self.tokens, probs  # [B, k], [B, k, V]
 
     @property
     def scores(self) -> torch.Tensor:
@@ -155,7 +158,7 @@ class Eagle3Draft:
         the draft's), made when a tree asks for them; None before any chain."""
         if self.draft_logits is None:
             return None
-        return self.head.full_vocab_logits(self.draft_logits)
+        return scatter(self.draft_logits, self.draft_ids, self.head.vocab_size, float("-inf"))
 
     def propose_tree(self, k: int, width: int, generator=None):
         """EAGLE-2's expansion (decoding.tree.grow_tree) with tree attention inside the head's

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from drafts.folders import load_folder, save_folder
-from drafts.vocabulary import IGNORE, most_frequent_ids  # noqa: F401 (re-exported)
+from drafts.vocabulary import IGNORE, most_frequent_ids, scatter  # noqa: F401 (re-exported)
 from recipe import ConfigError
 
 # --- aux layers ----------------------------------------------------------------------------
@@ -250,13 +250,7 @@ class Eagle3Head(nn.Module):
 
     def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] -> [..., V], -inf on target tokens outside the draft vocabulary."""
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_to_target, draft_logits)
-
-    def full_vocab_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
-        """[..., Vd] -> [..., V], zero on target tokens outside the draft vocabulary."""
-        full = draft_probs.new_zeros((*draft_probs.shape[:-1], self.vocab_size))
-        return full.index_copy(-1, self.draft_to_target, draft_probs)
+        return scatter(draft_logits, self.draft_to_target, self.vocab_size, float("-inf"))
 
     @property
     def groups(self) -> int:
