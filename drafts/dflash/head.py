@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafts.eagle3.head import _rotate_half, default_aux_layers
+from drafts.eagle3.head import rotate_half, default_aux_layers
 from drafts.folders import load_folder, save_folder
 from drafts.kind import SameVocabulary, Slot, TargetHidden
 from drafts.parallel import block_attention, block_plan
@@ -175,7 +175,7 @@ class DFlashHead(nn.Module):
         cos, sin = self.rotary(x, flat)  # [B, P, d]
         shape = (positions.shape[0], 1, *positions.shape[1:], x.shape[-1])
         cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
 
     def context_kv(self, layer: Layer, context: torch.Tensor, positions: torch.Tensor):
         """Context states c [B, L, H] at positions [B, L] -> this layer's k, v [B, kv, L, d]."""

@@ -11,10 +11,85 @@ from torch import nn
 
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
-from drafts.eagle3.head import Eagle3Head
+from drafts.eagle3.head import Eagle3Head, rotate_half
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
 from drafts.vocabulary import scatter
+
+
+class FusedLayer:
+    """The head's layer for inference, in fewer and larger operations than Eagle3Head's
+    training form: q/k/v one product over the 2H input, gate and up one product, the norms
+    torch's fused rms_norm, rotary cos/sin read from a table of positions. Same project /
+    finish / logits as the head (the same arithmetic up to rounding: tests compare the two);
+    weights are copied once when a generation starts, so a head trained further needs a new
+    FusedLayer (Eagle3Draft.start makes one each time)."""
+
+    def __init__(self, head: Eagle3Head):
+        layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
+        with torch.no_grad():
+            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2I, H]
+        self.o, self.down, self.lm_head = (attn.o_proj.weight, mlp.down_proj.weight,
+                                           head.lm_head.weight)
+        self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
+            ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
+            ("post", layer.post_attention_layernorm), ("final", head.norm))}
+        self.split = (attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim,
+                      attn.num_kv_heads * attn.head_dim)
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.groups = head.groups
+        self.act = F.silu if head.config.hidden_act == "silu" else mlp.act_fn
+        self.rotary = head.rotary
+        # positions -> cos, sin: a table, except for rope types that rescale with the length
+        self.table = None if "dynamic" in str(head.rotary.rope_type) else (
+            torch.zeros(0, self.head_dim), torch.zeros(0, self.head_dim))
+
+    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """LlamaRMSNorm: normalised in fp32, scaled by the weight in x's dtype."""
+        weight, eps = self.norms[name]
+        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, limit: int):
+        """positions [B, t], all below limit -> cos, sin [B, 1, t, d] in x's dtype."""
+        if self.table is None:
+            cos, sin = self.rotary(x, positions)
+        else:
+            if limit > len(self.table[0]):  # at least double the table's positions
+                length = max(2 * len(self.table[0]), limit, 256)
+                every = torch.arange(length, device=x.device)[None]
+                self.table = tuple(t[0] for t in self.rotary(x.float(), every))
+            cos, sin = (t[positions] for t in self.table)
+        return cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+
+    def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                limit: int | None = None):
+        """As Eagle3Head.project: -> q [B, n, t, d], k, v [B, kv, t, d], residual [B, t, H].
+        limit: a bound on positions the caller knows (HeadCache: its slot count), so that the
+        rotary table grows without reading positions back from the device."""
+        x = torch.cat([self.norm("embeds", embeds), self.norm("hidden", hidden)], dim=-1)
+        batch, t, _ = x.shape
+        q, k, v = F.linear(x, self.qkv).split(self.split, dim=-1)
+        q = q.view(batch, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos_sin(x, positions, int(positions.max()) + 1 if limit is None
+                                else limit)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v, hidden
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """As Eagle3Head.finish: [B, n, t, d], [B, t, H] -> pre-norm output [B, t, H]."""
+        batch, _, t, _ = attended.shape
+        residual = F.linear(attended.transpose(1, 2).reshape(batch, t, -1), self.o) + residual
+        gate, up = F.linear(self.norm("post", residual), self.gate_up).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down) + residual
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocabulary logits [..., Vd]."""
+        return F.linear(self.norm("final", prenorm), self.lm_head)
+
+
+Layer = Eagle3Head | FusedLayer  # what HeadCache runs: project, finish, groups
 
 
 class HeadCache:
@@ -45,20 +120,20 @@ class HeadCache:
         other.slots, other.next_position = self.slots.rows(index), self.next_position[index]
         return other
 
-    def _attend(self, head: Eagle3Head, q, allowed) -> torch.Tensor:
+    def _attend(self, layer: Layer, q, allowed) -> torch.Tensor:
         """q [B, n, t, d] over the cache, allowed [B, t, L] -> [B, n, t, d] (grouped-query
         heads read the kv heads in place)."""
         return F.scaled_dot_product_attention(q, self.keys, self.values,
                                               attn_mask=allowed[:, None],
-                                              enable_gqa=head.groups > 1)
+                                              enable_gqa=layer.groups > 1)
 
-    def run(self, head: Eagle3Head, embeds, hidden, valid) -> torch.Tensor:
+    def run(self, layer: Layer, embeds, hidden, valid) -> torch.Tensor:
         """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
-        [B, t, H]."""
+        [B, t, H] (layer: the head, or its FusedLayer)."""
         t = valid.shape[1]
         steps = valid.long()
         positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
-        q, k, v, residual = head.project(embeds, hidden, positions)
+        q, k, v, residual = layer.project(embeds, hidden, positions, self.slots.length + t)
         self.slots.append([(k, v)], valid)
         length = self.slots.length
         if t == 1:  # a drafted token: every kept slot, and itself (a hole sees itself)
@@ -70,22 +145,33 @@ class HeadCache:
             query_slot = torch.arange(length - t, length, device=valid.device)
             allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]
             allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # [B, t, L]
-        attended = self._attend(head, q, allowed)
+        attended = self._attend(layer, q, allowed)
         self.next_position = self.next_position + steps.sum(1)
-        return head.finish(attended, residual)
+        return layer.finish(attended, residual)
 
-    def run_tree(self, head: Eagle3Head, embeds, hidden, depth, sees) -> torch.Tensor:
+    def step(self, layer: Layer, embeds, hidden) -> torch.Tensor:
+        """One drafted token per row: embeds, hidden [B, 1, H] -> pre-norm output [B, 1, H]. Its
+        slot is valid and sees every kept slot and itself: run's t = 1 case without building
+        positions and masks."""
+        q, k, v, residual = layer.project(embeds, hidden, self.next_position[:, None],
+                                          self.slots.length + 1)
+        self.slots.append([(k, v)], self.slots.mask.new_ones(len(q), 1))
+        self.next_position = self.next_position + 1
+        return layer.finish(self._attend(layer, q, self.mask[:, None]), residual)
+
+    def run_tree(self, layer: Layer, embeds, hidden, depth, sees) -> torch.Tensor:
         """Append m draft-tree slots: embeds, hidden [B, m, H], depth [B, m] (1: a child of the
         pending token), sees [B, m, S] bool: which of the S tree slots appended since the last
         crop (these m the last ones) each attends, its ancestors and itself; every committed
         slot is seen. Positions are next_position + depth - 1, and next_position stays: the
         tree's slots are dropped with crop(S, valid=False) -> pre-norm outputs [B, m, H]."""
         m, tree_slots = depth.shape[1], sees.shape[2]
-        q, k, v, residual = head.project(embeds, hidden, self.next_position[:, None] + depth - 1)
+        q, k, v, residual = layer.project(embeds, hidden, self.next_position[:, None] + depth - 1,
+                                          self.slots.length + m)
         self.slots.append([(k, v)], torch.ones_like(depth, dtype=torch.bool))
         committed = self.mask[:, None, :-tree_slots].expand(-1, m, -1)  # [B, m, L - S]
         allowed = torch.cat([committed, sees], dim=2)  # [B, m, L]
-        return head.finish(self._attend(head, q, allowed), residual)
+        return layer.finish(self._attend(layer, q, allowed), residual)
 
     def crop(self, n: int, valid: bool = True) -> None:
         """Drop the last n slots of every row (valid: they counted as positions)."""
@@ -126,8 +212,9 @@ class Eagle3Draft:
         batch = input_ids.shape[0]
         self.draft_ids = self.head.draft_to_target  # [Vd] target ids: once a batch, not a token
         self.cache = HeadCache(batch, self.head, input_ids.device)
+        self.layer = FusedLayer(self.head)  # from the head's weights as they are now
         following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
-        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+        out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
                              attention_mask.bool())
         self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
         self.chain = 0
@@ -135,21 +222,20 @@ class Eagle3Draft:
     def propose(self, k, sampling, history, generator=None):
         """A chain of k, each token drawn on the draft vocabulary (q is zero outside it, so
         the distribution over the target's vocabulary is q scattered into zeros)."""
-        head, hidden = self.head, self.hidden
+        layer, hidden = self.layer, self.hidden
         tokens, probs, logits = [], [], []
         for i in range(k):
-            logits.append(head.logits(hidden))  # [B, Vd]
+            logits.append(layer.logits(hidden))  # [B, Vd]
             q = sampling_probs(logits[-1], sampling.temperature, sampling.top_p, sampling.top_k)
             token = self.draft_ids[draw(q, sampling.temperature, generator)]  # [B]
             tokens.append(token)
             probs.append(q)
             if i < k - 1:
-                hidden = self.cache.run(head, self._embeds(token[:, None]), hidden[:, None],
-                                        torch.ones_like(token[:, None], dtype=torch.bool))[:, 0]
+                hidden = self.cache.step(layer, self._embeds(token[:, None]), hidden[:, None])[:, 0]
         self.chain = k - 1  # slots to drop once the target has verified
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.draft_logits = torch.stack(logits, 1)  # [B, k, Vd]
-        probs = scatter(torch.stack(probs, 1), self.draft_ids, head.vocab_size, 0.0)
+        probs = scatter(torch.stack(probs, 1), self.draft_ids, self.head.vocab_size, 0.0)
         return self.tokens, probs  # [B, k], [B, k, V]
 
     @property
@@ -175,7 +261,7 @@ class Eagle3Draft:
 
         def logp(prenorm):  # [B, n, H] -> [B, n, V]
             return torch.log_softmax(self.head.full_vocab_logits(
-                self.head.logits(prenorm)).float(), dim=-1)
+                self.layer.logits(prenorm)).float(), dim=-1)
 
         def expand(frontier, tokens, parents):
             s, w = state["ancestors"].shape[1], frontier.shape[1]
@@ -191,7 +277,7 @@ class Eagle3Draft:
             made_by = root if s == 0 else torch.where(has_parent, state["out"].gather(
                 1, parent_slot[..., None].expand(-1, -1, hidden_size)), root)
             depth = torch.full_like(frontier, s // w + 1)  # w slots per earlier expansion
-            prenorm = self.cache.run_tree(self.head, self._embeds(tokens.gather(1, frontier)),
+            prenorm = self.cache.run_tree(self.layer, self._embeds(tokens.gather(1, frontier)),
                                           made_by, depth, sees)  # [B, w, H]
             state["ancestors"] = torch.cat([torch.cat(
                 [state["ancestors"], state["ancestors"].new_zeros(batch, s, w)], 2), sees], 1)
@@ -217,7 +303,7 @@ class Eagle3Draft:
         following = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         following[rows, num_accepted] = next_token
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
-        out = self.cache.run(self.head, self._embeds(following), self._features(target_hidden),
+        out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
                              valid)
         self.hidden = out[rows, num_accepted]  # [B, H]
         self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

@@ -135,7 +135,7 @@ class MidLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
@@ -220,9 +220,12 @@ class Eagle3Head(nn.Module):
 
     # the layer, in three parts: the projections, attention (outside: a cache in serving, the
     # training-time test's masks in training), and the output
-    def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+    def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                limit: int | None = None):
         """embeds, hidden [B, t, H], positions [B, t] -> q [B, n, t, d], k, v [B, kv, t, d] (with
-        rotary), residual [B, t, H]. norm_before_residual = false: the residual is h itself."""
+        rotary), residual [B, t, H]. norm_before_residual = false: the residual is h itself.
+        limit (a bound on positions) is for the engine's FusedLayer; rotary here is computed
+        per call."""
         layer, attn = self.midlayer, self.midlayer.self_attn
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         batch, t, _ = x.shape
@@ -234,7 +237,7 @@ class Eagle3Head(nn.Module):
                    heads(attn.v_proj, attn.num_kv_heads))
         cos, sin = self.rotary(x, positions)  # [B, t, d]
         cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v, hidden
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v, hidden
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attention output [B, n, t, d] and residual [B, t, H] -> the pre-norm output [B, t, H]

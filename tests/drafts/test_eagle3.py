@@ -12,6 +12,7 @@ from drafts.eagle3 import (
     Eagle3Draft,
     Eagle3ForTraining,
     Eagle3Head,
+    FusedLayer,
     HeadCache,
     check_aux_layers,
     check_vocab_maps,
@@ -116,10 +117,14 @@ def test_feature_capture_reads_the_inputs_of_the_named_decoder_layers(target):
     assert torch.equal(out.embeds, target.model.embed_tokens(batch.input_ids))
 
 
-def test_training_time_test_matches_the_serving_cache(target):
+@pytest.mark.parametrize("fused", [False, True], ids=["head", "fused layer"])
+def test_training_time_test_matches_the_serving_cache(target, fused):
     """Step j of the unroll at index p is what the head computes in serving for draft token j+1
-    after the verified prefix x_0..x_{p+1}, when the chain so far is the true continuation."""
+    after the verified prefix x_0..x_{p+1}, when the chain so far is the true continuation; the
+    engine's FusedLayer (one q/k/v product, a rotary table, fused norms) computes the same, and
+    the same logits."""
     head = _head(target)
+    layer = FusedLayer(head) if fused else head
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, VOCAB, (1, 24), generator=g)
     with torch.no_grad():
@@ -129,14 +134,16 @@ def test_training_time_test_matches_the_serving_cache(target):
         steps = unroll(head, embeds, aux, torch.ones_like(ids), 4)
         for p in (5, 12):
             cache = HeadCache(1, head, "cpu")
-            out = cache.run(head, embeds[:, 1:p + 2], head.fc(aux[:, :p + 1]),
+            out = cache.run(layer, embeds[:, 1:p + 2], head.fc(aux[:, :p + 1]),
                             torch.ones(1, p + 1, dtype=torch.bool))
             h = out[:, -1:]
             assert torch.allclose(h, steps[0][:, p:p + 1], atol=1e-5)
             for j in range(1, 4):
-                h = cache.run(head, embeds[:, p + 1 + j:p + 2 + j], h,
+                h = cache.run(layer, embeds[:, p + 1 + j:p + 2 + j], h,
                               torch.ones(1, 1, dtype=torch.bool))
                 assert torch.allclose(h, steps[j][:, p:p + 1], atol=1e-5), (p, j)
+                assert torch.allclose(layer.logits(h), head.logits(steps[j][:, p:p + 1]),
+                                      atol=1e-4), (p, j)
 
 
 def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
