@@ -251,13 +251,18 @@ def main() -> None:
 
 
 def cpu_name() -> str:
-    """The CPU model and whether it computes bf16 natively, from /proc/cpuinfo."""
+    """The CPU model, whether it computes bf16 natively (/proc/cpuinfo) and its L3 cache
+    (a small draft's weights stay in it between steps, a target's do not)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
                   if ln.startswith("model name")), "unknown CPU")
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
                   if ln.startswith("flags")), [])
     shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # e.g. 107520K
+    size = l3.read_text().strip() if l3.is_file() else ""
+    if size.endswith("K") and size[:-1].isdigit():
+        shown.append(f"L3 {int(size[:-1]) // 1024} MiB")
     return f"{os.cpu_count()} x {model} ({' '.join(shown)})"
 
 

@@ -4,7 +4,8 @@ run.
 
     .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
         [--peers speculators] [--epochs 8] [--conversations 200] [--questions 10]
-        [--max-new-tokens 256] [--work DIR] [--write-docs] [recipe overrides key=value ...]
+        [--max-new-tokens 256] [--work DIR] [--write-docs] [--variant NAME]
+        [recipe overrides key=value ...]
 
 The recipe's train.draft picks the kind: an eagle3 recipe against speculators' EAGLE-3 trainer,
 a dflash recipe (configs/smollm2-135m-dflash.yaml) against its DFlash trainer.
@@ -26,7 +27,9 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED and
 printed with the table. Results: <work>/<epochs>-epochs/results.json; --write-docs puts the
-table into docs/side-by-side.md with the CPU, the commit and this command.
+table into docs/side-by-side.md with the CPU, the commit and this command. An ablation of ours
+(`--variant NAME --peers '' key=value ...`) trains ours again with the overrides on the same
+conversations and features, in <work>/<epochs>-epochs-<NAME>, and measures it in vLLM.
 """
 
 from __future__ import annotations
@@ -431,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--variant", default="",
+                        help="an ablation of ours: its own results folder (<epochs>-epochs-"
+                             "<variant>) next to the main run's; give the recipe overrides it "
+                             "changes, and --peers '' to train no peer again")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
     args = parser.parse_args(argv)
 
@@ -451,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ConfigError(f"--peers {','.join(unknown)}: known peers are {sorted(PEERS)}.")
     work = args.work or cache_root() / "side-by-side" / f"{args.config.stem}-{args.conversations}"
-    budget = work / f"{args.epochs}-epochs"  # stage 1 and the features serve every budget
+    # stage 1 and the features serve every budget and variant
+    budget = work / (f"{args.epochs}-epochs" + (f"-{args.variant}" if args.variant else ""))
     budget.mkdir(parents=True, exist_ok=True)
     base = load_config(args.config, [f"run.output_dir={work / 'stage1'}",
                                      f"data.max_prompts={args.conversations}", *args.overrides])
@@ -483,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     results.update(config=str(args.config), kind=kind, epochs=args.epochs,
                    train_conversations=len(train), held_out_conversations=len(held_out),
                    train_tokens=train_tokens,
-                   cpu=cpu_name(), torch_threads=torch.get_num_threads())
+                   cpu=cpu_name(), torch_threads=torch.get_num_threads(),
+                   variant=args.variant, overrides=args.overrides)
     trained = results.setdefault("trainers", {})
 
     # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
@@ -588,7 +597,9 @@ def write_docs(results: dict, table: str, argv: list[str]) -> None:
     doc = ROOT / "docs" / "side-by-side.md"
     section = "\n".join([
         f"## {results['config']}: {results['train_conversations']} training conversations, "
-        f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}", "",
+        f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}"
+        + (f", {results['variant']} ({' '.join(results['overrides'])})"
+           if results.get("variant") else ""), "",
         f"{results['cpu']}; {results['torch_threads']} torch threads; commit {commit}; "
         f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
         f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "

@@ -496,10 +496,12 @@ class TrainConfig:
     """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
     features in training (EAGLE's augmentation: serving feeds the head features the target
     computed on the draft's own tokens); seeded per micro-batch. 0: off."""
-    head_init: Literal["random", "target"] = "random"
-    """EAGLE-3: 'random' (Llama init, final norm at ones) or 'target' (the final norm, and the
-    layer from the target's decoder layer that reads the highest aux feature: see
-    drafts/eagle3/head.py). The lm_head rows are the target's either way."""
+    head_init: Literal["random", "target"] | None = None
+    """EAGLE-3 and DFlash: 'random' (Llama init, final norm at ones) or 'target' (the final
+    norm, and the layers from the target's decoder layers from the one that reads the highest
+    aux feature on: drafts/eagle3/head.py, drafts/dflash/head.py). The lm_head (rows) are the
+    target's either way. Unset: each kind's own start, 'random' for EAGLE-3, 'target' for
+    DFlash."""
     loss: str = "tvd"
     """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
     '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""

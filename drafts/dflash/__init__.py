@@ -51,7 +51,7 @@ class DFlash:
 
     name, description = "dflash", "a DFlash block drafter"
     train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
-                  "block_starts", "mask_token_id")
+                  "block_starts", "mask_token_id", "head_init")
     formats = ("vllm",)
     hf_assistant = False
 
@@ -93,8 +93,9 @@ class DFlash:
         aux = cfg.eagle_aux_layers or default_aux_layers(layers)
         mask_id = resolve_mask_token(cfg.mask_token_id, tokenizer, vocab, examples)
         head = DFlashHead.from_target(target, aux, parse_layers(cfg.draft), mask_id,
-                                      cfg.block_size)
-        log(f"[train] DFlash drafter: {head.config.num_hidden_layers} layer(s) on aux layers "
+                                      cfg.block_size, cfg.head_init or "target")
+        log(f"[train] DFlash drafter: {head.config.num_hidden_layers} layer(s) "
+            f"({cfg.head_init or 'target'} start) on aux layers "
             f"{aux} of {layers}, blocks of k = {cfg.block_size} masks (mask token {mask_id} "
             f"{tokenizer.convert_ids_to_tokens(mask_id)!r}), "
             f"{'every start' if cfg.block_starts == 0 else f'{cfg.block_starts} starts'} per "

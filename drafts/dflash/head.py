@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafts.eagle3.head import rotate_half, default_aux_layers
+from drafts.eagle3.head import default_aux_layers, rotate_half
 from drafts.folders import load_folder, save_folder
 from drafts.kind import SameVocabulary, Slot, TargetHidden
 from drafts.parallel import block_attention, block_plan
@@ -114,15 +114,16 @@ class DFlashHead(nn.Module):
 
     @classmethod
     def from_target(cls, target, aux_layers: list[int], num_layers: int, mask_token_id: int,
-                    block_size: int) -> DFlashHead:
-        """A fresh draft that starts from the target's own weights: layer i is a copy of the
-        target's layer a+i (a = the highest aux layer, or as high as fits), fc passes that
-        layer's input through (its slot of the concatenation), hidden_norm is that layer's input
-        norm, and the final norm and lm_head are the target's. So the context keys/values start
-        as the target's layer a computes them, with the attention patterns it learnt (a random
-        start has to learn to attend to the recent context from scratch: on 2 answers of 24
-        tokens it reached greedy alpha_1 0.06 where this start reached 0.25 in 40 steps). The
-        q/k norms (Qwen3's, absent from Llama targets) start at one."""
+                    block_size: int, init: str = "target") -> DFlashHead:
+        """A fresh draft; init 'random': the layers, fc and norms in Qwen3 init (norms at one),
+        the lm_head the target's; init 'target' starts from the target's own weights: layer i
+        is a copy of the target's layer a+i (a = the highest aux layer, or as high as fits), fc
+        passes that layer's input through (its slot of the concatenation), hidden_norm is that
+        layer's input norm, and the final norm and lm_head are the target's. So the context
+        keys/values start as the target's layer a computes them, with the attention patterns it
+        learnt (a random start has to learn to attend to the recent context from scratch: on 2
+        answers of 24 tokens it reached greedy alpha_1 0.06 where this start reached 0.25 in 40
+        steps). The q/k norms (Qwen3's, absent from Llama targets) start at one."""
         config = draft_config(target.config, num_layers)
         config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
@@ -133,7 +134,10 @@ class DFlashHead(nn.Module):
                 if isinstance(module, nn.Linear):
                     module.weight.normal_(0.0, config.initializer_range)
             head.lm_head.weight.copy_(target.get_output_embeddings().weight.float())
-            head._copy_target_layers(target)
+            if init == "target":
+                head._copy_target_layers(target)
+            elif init != "random":
+                raise ConfigError(f"DFlash init {init!r}: use 'random' or 'target'.")
         head.read_mask_embedding(target.get_input_embeddings())
         return head.to(target.get_output_embeddings().weight.device)
 

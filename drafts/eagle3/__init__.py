@@ -91,7 +91,8 @@ class Eagle3:
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
         log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
             f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
-        head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init).float()
+        head = Eagle3Head.from_target(target, aux_layers, draft_ids,
+                                     cfg.head_init or "random").float()
         return head.requires_grad_(True).train()
 
     def freeze(self, draft: Eagle3Head, cfg: TrainConfig) -> None:

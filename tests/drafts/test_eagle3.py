@@ -360,7 +360,7 @@ def test_a_train_key_only_other_kinds_read_is_refused_by_the_kind():
 
     for draft, key, value, readers in [
             ("medusa:3", "feature_noise", 0.2, "['eagle3', 'dflash']"),
-            ("dflash:2", "head_init", "target", "['eagle3']"),
+            ("dflash:2", "ttt_steps", 2, "['eagle3']"),
             ("layer-truncated:2", "block_size", 3, "['dflash', 'pard']"),
             ("eagle3", "mask_token_id", 5, "['dflash', 'pard']")]:
         with pytest.raises(ConfigError, match=rf"train.{key}=.* read by {re.escape(readers)}"):

@@ -225,6 +225,28 @@ def _pard_proposer(lm):
     return propose
 
 
+def test_a_dflash_drafter_starts_from_the_target_or_at_random(target):
+    """init 'target': layer i is the target's layer (highest aux layer) + i and fc passes that
+    layer's input through; 'random': none of the target's layers; the lm_head is the target's
+    either way; any other init is refused."""
+    torch.manual_seed(3)
+    copied = DFlashHead.from_target(target, [1, 2, 3], 1, mask_token_id=MASK, block_size=K)
+    torch.manual_seed(3)
+    fresh = DFlashHead.from_target(target, [1, 2, 3], 1, mask_token_id=MASK, block_size=K,
+                                   init="random")
+    source = target.model.layers[3]
+    assert torch.equal(copied.layers[0].mlp.up_proj.weight, source.mlp.up_proj.weight)
+    assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, source.mlp.up_proj.weight)
+    hidden = target.config.hidden_size
+    assert torch.equal(copied.fc.weight[:, 2 * hidden:], torch.eye(hidden))
+    assert not torch.equal(fresh.fc.weight[:, 2 * hidden:], torch.eye(hidden))
+    for head in (copied, fresh):
+        assert torch.equal(head.lm_head.weight, target.lm_head.weight)
+    with pytest.raises(ConfigError, match="DFlash init 'copy': use 'random' or 'target'"):
+        DFlashHead.from_target(target, [1, 2, 3], 1, mask_token_id=MASK, block_size=K,
+                               init="copy")
+
+
 def test_a_saved_dflash_drafter_loads_as_it_was(tmp_path, target, dflash):
     dflash.save_pretrained(tmp_path)
     loaded = DFlash().load(str(tmp_path), target, None, torch.float32, torch.device("cpu"))
