@@ -4,7 +4,8 @@
         [--k-max 8] [--new-tokens 48] [--prompts 2] [--dtype float32] [--profile-k 4]
 
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
-scores N tokens (the first N ids: which ones does not change a step's cost).
+scores N tokens (the first N ids: which ones does not change a step's cost). eagle3+int8 runs
+the EAGLE-3 head with int8 weights (drafts/eagle3/engine.py, Int8Linear).
 
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
@@ -148,9 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                "kinds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds.split(","):
-            loaded = build_draft(kind, target, tokenizer, prompts, Path(tmp) / kind, dtype,
+            built, _, option = kind.partition("+")
+            if option not in ("", "int8") or (option and built != "eagle3"):
+                raise SystemExit(f"--kinds {kind}: the only option is eagle3+int8.")
+            loaded = build_draft(built, target, tokenizer, prompts, Path(tmp) / kind, dtype,
                                  device)
             draft = engine_draft(loaded)
+            if option:
+                draft.int8 = True
             top_k = min(args.k_max, loaded.max_k or args.k_max)
             rows = {}
             print(f"\n{kind}: {loaded.name}")

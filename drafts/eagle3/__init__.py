@@ -7,7 +7,7 @@ the head in our engine; this module is what the rest of draftsmith asks of the k
 from __future__ import annotations
 
 from assets.published import layer_parameters
-from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, FusedLayer, HeadCache
+from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, FusedLayer, HeadCache, Int8Linear
 from drafts.eagle3.head import (
     IGNORE,
     Eagle3Head,
@@ -28,8 +28,9 @@ from drafts.vocabulary import frequent_labels
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
-           "FusedLayer", "HeadCache", "check_aux_layers", "check_vocab_maps", "default_aux_layers",
-           "draft_index", "most_frequent_ids", "target_ids", "unroll", "vocab_maps"]
+           "FusedLayer", "HeadCache", "Int8Linear", "check_aux_layers", "check_vocab_maps",
+           "default_aux_layers", "draft_index", "most_frequent_ids", "target_ids", "unroll",
+           "vocab_maps"]
 
 
 class Eagle3:

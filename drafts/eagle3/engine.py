@@ -17,21 +17,47 @@ from drafts.slots import SlotKV
 from drafts.vocabulary import scatter
 
 
+class Int8Linear:
+    """A weight [N, K] stored as int8 per output row with a scale (weight-only quantisation,
+    scale = the row's largest |w| / 127), applied with torch._weight_int8pack_mm on bf16
+    activations: a GEMV reads a quarter of fp32's bytes, which is what a small draft's step
+    costs on a CPU (its weights come from memory after every target forward)."""
+
+    def __init__(self, weight: torch.Tensor):
+        with torch.no_grad():
+            scale = weight.float().abs().amax(1).clamp(min=1e-12) / 127  # [N]
+            self.weight = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(
+                torch.int8)
+        self.scale = scale.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., K] -> [..., N] in x's dtype."""
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
+        return out.view(*x.shape[:-1], -1).to(x.dtype)
+
+
 class FusedLayer:
     """The head's layer for inference, in fewer and larger operations than Eagle3Head's
     training form: q/k/v one product over the 2H input, gate and up one product, the norms
     torch's fused rms_norm, rotary cos/sin read from a table of positions. Same project /
     finish / logits as the head (the same arithmetic up to rounding: tests compare the two);
-    weights are copied once when a generation starts, so a head trained further needs a new
-    FusedLayer (Eagle3Draft.start makes one each time)."""
+    weights are copied when made, so a head trained further needs a new FusedLayer
+    (Eagle3Draft.start makes one whenever the head's parameters changed). int8: the five
+    matrices of a step (q/k/v, o, gate/up, down, lm_head) as Int8Linear; the draft's q is then
+    the quantised head's, which verification reads as it is (lossless; acceptance is measured,
+    not assumed)."""
 
-    def __init__(self, head: Eagle3Head):
+    def __init__(self, head: Eagle3Head, int8: bool = False):
         layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
         with torch.no_grad():
             self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
             self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2I, H]
         self.o, self.down, self.lm_head = (attn.o_proj.weight, mlp.down_proj.weight,
                                            head.lm_head.weight)
+        linear = Int8Linear if int8 else (lambda weight: lambda x: F.linear(x, weight))
+        self.linears = {name: linear(getattr(self, name))
+                        for name in ("qkv", "o", "gate_up", "down", "lm_head")}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
             ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
             ("post", layer.post_attention_layernorm), ("final", head.norm))}
@@ -69,7 +95,7 @@ class FusedLayer:
         rotary table grows without reading positions back from the device."""
         x = torch.cat([self.norm("embeds", embeds), self.norm("hidden", hidden)], dim=-1)
         batch, t, _ = x.shape
-        q, k, v = F.linear(x, self.qkv).split(self.split, dim=-1)
+        q, k, v = self.linears["qkv"](x).split(self.split, dim=-1)
         q = q.view(batch, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -80,13 +106,14 @@ class FusedLayer:
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """As Eagle3Head.finish: [B, n, t, d], [B, t, H] -> pre-norm output [B, t, H]."""
         batch, _, t, _ = attended.shape
-        residual = F.linear(attended.transpose(1, 2).reshape(batch, t, -1), self.o) + residual
-        gate, up = F.linear(self.norm("post", residual), self.gate_up).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down) + residual
+        linears = self.linears
+        residual = linears["o"](attended.transpose(1, 2).reshape(batch, t, -1)) + residual
+        gate, up = linears["gate_up"](self.norm("post", residual)).chunk(2, dim=-1)
+        return linears["down"](self.act(gate) * up) + residual
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocabulary logits [..., Vd]."""
-        return F.linear(self.norm("final", prenorm), self.lm_head)
+        return self.linears["lm_head"](self.norm("final", prenorm))
 
 
 Layer = Eagle3Head | FusedLayer  # what HeadCache runs: project, finish, groups
@@ -197,8 +224,10 @@ class Eagle3Draft:
     uses_target_hidden = True
     failures = None
 
-    def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3"):
-        self.head, self.embed, self.name = head, embedding, name
+    def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3",
+                 int8: bool = False):
+        self.head, self.embed, self.name, self.int8 = head, embedding, name, int8
+        self.layer, self.made_from = None, None  # the FusedLayer and what it was made from
         self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
 
     def _features(self, target_hidden) -> torch.Tensor:
@@ -212,7 +241,9 @@ class Eagle3Draft:
         batch = input_ids.shape[0]
         self.draft_ids = self.head.draft_to_target  # [Vd] target ids: once a batch, not a token
         self.cache = HeadCache(batch, self.head, input_ids.device)
-        self.layer = FusedLayer(self.head)  # from the head's weights as they are now
+        made_from = (self.int8, [(p.data_ptr(), p._version) for p in self.head.parameters()])
+        if made_from != self.made_from:  # new, or the head's weights changed (training's eval)
+            self.layer, self.made_from = FusedLayer(self.head, self.int8), made_from
         following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
         out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
                              attention_mask.bool())

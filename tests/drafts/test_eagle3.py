@@ -14,6 +14,7 @@ from drafts.eagle3 import (
     Eagle3Head,
     FusedLayer,
     HeadCache,
+    Int8Linear,
     check_aux_layers,
     check_vocab_maps,
     default_aux_layers,
@@ -144,6 +145,29 @@ def test_training_time_test_matches_the_serving_cache(target, fused):
                 assert torch.allclose(h, steps[j][:, p:p + 1], atol=1e-5), (p, j)
                 assert torch.allclose(layer.logits(h), head.logits(steps[j][:, p:p + 1]),
                                       atol=1e-4), (p, j)
+
+
+def test_int8_weights_keep_the_head_close_and_the_output_the_targets(target):
+    """Int8Linear (per-row int8 weights, bf16 activations) stays within a few per cent of the
+    fp32 product; an int8 head drafts, and greedy output is still the target's; the draft
+    makes its FusedLayer again once the head's weights change."""
+    weight = torch.randn(48, 64)
+    x = torch.randn(3, 5, 64)
+    error = (Int8Linear(weight)(x) - x @ weight.T).abs().max() / (x @ weight.T).abs().max()
+    assert 0 < error < 0.03
+    prompts, ids, mask = _prompts([5, 11, 8])
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set())
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings(), int8=True)
+    spec = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set(), draft)
+    assert spec.tokens == plain.tokens
+    assert isinstance(draft.layer.linears["lm_head"], Int8Linear)
+    layer = draft.layer
+    generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), set(), draft)
+    assert draft.layer is layer  # unchanged weights: made once
+    with torch.no_grad():
+        draft.head.lm_head.weight.mul_(2)
+    generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), set(), draft)
+    assert draft.layer is not layer
 
 
 def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
