@@ -4,6 +4,7 @@ last verification and keeps its own KV cache of the verified tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -51,13 +52,13 @@ class FusedLayer:
     def __init__(self, head: Eagle3Head, int8: bool = False):
         layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
         with torch.no_grad():
-            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])  # [2I, H]
-        self.o, self.down, self.lm_head = (attn.o_proj.weight, mlp.down_proj.weight,
-                                           head.lm_head.weight)
-        linear = Int8Linear if int8 else (lambda weight: lambda x: F.linear(x, weight))
-        self.linears = {name: linear(getattr(self, name))
-                        for name in ("qkv", "o", "gate_up", "down", "lm_head")}
+            weights = {
+                "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                "o": attn.o_proj.weight,
+                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
+                "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight}
+        linear = Int8Linear if int8 else (lambda weight: partial(F.linear, weight=weight))
+        self.linears = {name: linear(weight) for name, weight in weights.items()}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
             ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
             ("post", layer.post_attention_layernorm), ("final", head.norm))}
@@ -291,8 +292,8 @@ class Eagle3Draft:
                                     device=device)}  # each expanded slot's output [B, S, H]
 
         def logp(prenorm):  # [B, n, H] -> [B, n, V]
-            return torch.log_softmax(self.head.full_vocab_logits(
-                self.layer.logits(prenorm)).float(), dim=-1)
+            return torch.log_softmax(scatter(self.layer.logits(prenorm), self.draft_ids,
+                                             self.head.vocab_size, float("-inf")).float(), dim=-1)
 
         def expand(frontier, tokens, parents):
             s, w = state["ancestors"].shape[1], frontier.shape[1]
