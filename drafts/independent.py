@@ -339,7 +339,7 @@ class Independent:
     name, description = "independent", "an independent draft model"
     train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
-    hf_assistant = True
+    hf_assistant, int8_weights = True, False
 
     def claims(self, spec: str) -> bool:
         return True

@@ -54,6 +54,8 @@ class LoadedDraft:
     """The most draft tokens it proposes per step; None: no limit."""
     max_k_unit: str = "draft positions"
     """What max_k counts, for messages (Medusa: 'heads', one token each)."""
+    int8: bool = False
+    """Draft with int8 weights (registry.load_draft(..., int8=True); kinds with int8_weights)."""
 
 
 class DraftKind(Protocol):
@@ -67,6 +69,10 @@ class DraftKind(Protocol):
     engines serve a kind, and how, each serving engine says (serving/engines/)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
+    int8_weights: bool
+    """Its engine draft can run its matrix products on int8 weights per output row
+    (LoadedDraft.int8: a cheaper step; verification reads the quantised draft's own
+    probabilities, so decoding stays lossless and only acceptance may move)."""
     train_keys: tuple[str, ...]
     """The train keys only some kinds read that this kind reads (head_decay, block_size, ...):
     any other such key set away from its default is refused (registry.check_train_config);

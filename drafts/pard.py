@@ -134,6 +134,7 @@ class Pard:
                   "draft_vocab_size")
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
+    int8_weights = False
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)

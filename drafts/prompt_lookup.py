@@ -56,7 +56,7 @@ class PromptLookup:
 
     name, description, formats = "prompt-lookup", "prompt lookup", ()
     train_keys = ()
-    hf_assistant = False
+    hf_assistant, int8_weights = False, False
 
     def claims(self, spec: str) -> bool:
         return spec == "prompt-lookup"

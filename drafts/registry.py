@@ -65,10 +65,20 @@ def check_target_config(cfg: Config, kind: DraftKind) -> None:
         kind.check_target(cfg.train, cfg.eval.k, facts.config)
 
 
-def load_draft(spec: str, target, tokenizer, dtype: torch.dtype,
-               device: torch.device) -> LoadedDraft:
-    """A draft spec or folder -> the draft, checked against the target, of whatever kind."""
-    return kind_of(spec).load(spec, target, tokenizer, dtype, device)
+def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.device,
+               int8: bool = False) -> LoadedDraft:
+    """A draft spec or folder -> the draft, checked against the target, of whatever kind;
+    int8: its engine drafts with int8 weights (refused for kinds that cannot)."""
+    kind = kind_of(spec)
+    if int8 and not kind.int8_weights:
+        able = [k.name for k in KINDS if k.int8_weights]
+        raise ConfigError(f"int8 draft weights: {spec!r} is a {kind.name} draft, and only "
+                          f"{', '.join(able)} drafts run on int8 weights: set "
+                          "eval.draft_int8=false for it.")
+    loaded = kind.load(spec, target, tokenizer, dtype, device)
+    if int8:
+        loaded.int8, loaded.name = True, f"{loaded.name} on int8 weights"
+    return loaded
 
 
 def engine_draft(loaded: LoadedDraft, name: str = "draft"):

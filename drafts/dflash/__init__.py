@@ -53,7 +53,7 @@ class DFlash:
     train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
                   "block_starts", "mask_token_id", "head_init")
     formats = ("vllm",)
-    hf_assistant = False
+    hf_assistant, int8_weights = False, False
 
     def claims(self, spec: str) -> bool:
         return spec == "dflash" or spec.startswith("dflash:")

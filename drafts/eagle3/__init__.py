@@ -40,7 +40,7 @@ class Eagle3:
     train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
                   "feature_noise", "head_init")
     formats = ("vllm", "speculators")
-    hf_assistant = False
+    hf_assistant, int8_weights = False, True
 
     def claims(self, spec: str) -> bool:
         return spec.startswith("eagle")
@@ -110,7 +110,7 @@ class Eagle3:
                            Eagle3Model(head, target.get_input_embeddings()))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> Eagle3Draft:
-        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name)
+        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.int8)
 
     def check_export(self, draft_folder, k, target_shape) -> None:
         head = Eagle3Head.from_pretrained(draft_folder)  # refuses a d2t that mismatches t2d

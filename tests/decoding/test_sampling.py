@@ -49,11 +49,12 @@ def _draft(kind: str, target):
         return ModelDraft(model)
     if kind == "medusa":
         return MedusaDraft(MedusaHeads(32, VOCAB, num_heads=K, num_layers=1).eval())
-    if kind == "eagle3":  # a draft vocabulary without tokens 4 and 7: the target adds them
+    if kind.startswith("eagle3"):  # a draft vocabulary without 4 and 7: the target adds them
         head = Eagle3Head.from_target(target, [0, 1, 1], torch.tensor([0, 1, 2, 3, 5, 6]))
         with torch.no_grad():
             head.lm_head.weight.normal_(0, 0.5)
-        return Eagle3Draft(head.eval(), target.get_input_embeddings())
+        return Eagle3Draft(head.eval(), target.get_input_embeddings(),
+                           int8=kind == "eagle3, int8 weights")
     if kind == "dflash":  # one block of K masks per step, from the target's context; its
         # start (the target's layer 1 and lm_head) made noisier so that both accept and reject
         head = DFlashHead.from_target(target, [1], 1, mask_token_id=7, block_size=K)
@@ -125,7 +126,7 @@ BROKEN = {  # wrong rules that a bias check must catch
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "eagle3, int8 weights"])
 def test_every_draft_kind_samples_the_targets_distribution(target, kind, temperature):
     prompts, out, settings = _sample(target, kind, temperature)
     assert min(s.steps for s in out.stats) >= 3  # several verification steps per row
@@ -145,7 +146,8 @@ def test_a_wrong_rule_fails_the_same_test(target, kind, broken, monkeypatch):
 
 
 TREES = [("independent", False, 0), ("medusa", False, 0), ("dflash", False, 0),
-         ("eagle3", True, 8), ("independent, draft vocabulary", False, 4)]
+         ("eagle3", True, 8), ("eagle3, int8 weights", False, 8),
+         ("independent, draft vocabulary", False, 4)]
 
 
 @pytest.mark.parametrize("kind,ngram_branch,tree_nodes", TREES)

@@ -71,7 +71,7 @@ class UnigramDraft:
 class UnigramKind:
     name, description, formats = "unigram", "a unigram toy", ()
     train_keys = ()
-    hf_assistant = False
+    hf_assistant, int8_weights = False, False
 
     def claims(self, spec):
         return spec == "unigram"

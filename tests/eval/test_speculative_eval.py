@@ -63,6 +63,29 @@ def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
     assert result["identical"] and "texts are identical" in capsys.readouterr().out
 
 
+def test_an_eagle3_head_on_int8_weights_is_measured_lossless(peaked_target, tmp_path):
+    """eval.draft_int8 drafts with the head's int8 weights: the report says so, greedy output
+    is still the target's; a kind that cannot is refused before anything generates."""
+    from transformers import AutoModelForCausalLM
+
+    from drafts.eagle3 import Eagle3Head
+
+    target = AutoModelForCausalLM.from_pretrained(peaked_target)
+    Eagle3Head.from_target(target, [0, 1, 1], torch.arange(0, target.config.vocab_size, 3)
+                           ).save_pretrained(tmp_path / "head")
+    cfg = _cfg(peaked_target, tmp_path, f"eval.draft={tmp_path / 'head'}", "eval.k=3",
+               "eval.draft_int8=true", "eval.methods=[target, speculative]")
+    report = evaluate(cfg, torch.device("cpu"))
+    assert report["draft"].endswith("on int8 weights")
+    assert report["methods"]["speculative"]["identical_to_target"] == 3
+    with pytest.raises(ConfigError, match="only eagle3 drafts run on int8 weights: set "
+                                          "eval.draft_int8=false"):
+        evaluate(_cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1",
+                      "eval.draft_int8=true"), torch.device("cpu"))
+    written = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
+    assert written["draft"] == report["draft"]  # the refused run wrote nothing over it
+
+
 def test_tree_and_hybrid_modes_are_measured_as_their_own_methods(peaked_target, tmp_path):
     cfg = _cfg(peaked_target, tmp_path, "eval.draft=layer-truncated:1", "eval.k=3",
                "eval.methods=[target, speculative, prompt_lookup]",
