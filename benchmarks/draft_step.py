@@ -4,8 +4,9 @@
         [--k-max 8] [--new-tokens 48] [--prompts 2] [--dtype float32] [--profile-k 4]
 
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
-scores N tokens (the first N ids: which ones does not change a step's cost). eagle3+int8 runs
-the EAGLE-3 head with int8 weights (drafts/eagle3/engine.py, Int8Linear).
+scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
+the draft on int8 weights (eval.draft_int8: decoding/int8.py, Int8Linear), e.g. eagle3+int8,
+independent@8192+int8.
 
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
@@ -42,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("independent", "medusa", "eagle3", "dflash", "pard")
 
 
-def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtype, device):
+def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtype, device,
+                int8: bool = False):
     """The recipe's draft of this kind, untrained, saved to folder and loaded as eval does."""
     from train.data import Example
     from train.loop import check_train_config
@@ -50,7 +52,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     kind, _, vocabulary = kind.partition("@")
     cfg = load_config(ROOT / "configs" / f"smollm2-135m-{kind}.yaml", [])
     if kind == "independent":  # a spec, not a folder: the target's first layers
-        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device)
+        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, int8)
         if vocabulary:
             loaded.model.config.draft_vocabulary = list(range(int(vocabulary)))
             loaded.name += f", draft vocabulary {vocabulary}"
@@ -63,7 +65,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     draft = draft_kind.build(tcfg, target, tokenizer, rows, lambda *a: None)
     draft.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return load_draft(str(folder), target, tokenizer, dtype, device)
+    return load_draft(str(folder), target, tokenizer, dtype, device, int8)
 
 
 def forward_ms(target, prompt: list[int], repeats: int = 20) -> float:
@@ -150,13 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds.split(","):
             built, _, option = kind.partition("+")
-            if option not in ("", "int8") or (option and built != "eagle3"):
-                raise SystemExit(f"--kinds {kind}: the only option is eagle3+int8.")
+            if option not in ("", "int8"):
+                raise SystemExit(f"--kinds {kind}: the only option is +int8 (eagle3+int8).")
             loaded = build_draft(built, target, tokenizer, prompts, Path(tmp) / kind, dtype,
-                                 device)
+                                 device, int8=option == "int8")
             draft = engine_draft(loaded)
-            if option:
-                draft.int8 = True
             top_k = min(args.k_max, loaded.max_k or args.k_max)
             rows = {}
             print(f"\n{kind}: {loaded.name}")

@@ -9,7 +9,12 @@ computation is that of its valid tokens alone.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
+
+from decoding.int8 import Int8Linear
 
 
 class CachedLM:
@@ -23,12 +28,15 @@ class CachedLM:
                  vocabulary: torch.Tensor | None = None):
         self.model = model
         self.keep_hidden_states = keep_hidden_states
-        self.head = None
+        self.head = None  # [..., H] -> [..., Vd] logits: the head's rows of the vocabulary
         if vocabulary is not None:
             head = model.get_output_embeddings()
-            rows = vocabulary.to(head.weight.device)
-            self.head = (head.weight[rows].detach().clone(),
-                         None if head.bias is None else head.bias[rows].detach().clone())
+            rows = vocabulary.to(self.device)
+            if isinstance(head, Int8Linear):  # a draft on int8 weights (decoding.int8)
+                self.head = head.rows(rows)
+            else:
+                self.head = partial(F.linear, weight=head.weight[rows].detach().clone(),
+                                    bias=None if head.bias is None else head.bias[rows].clone())
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
         """With keep_hidden_states: the last forward's hidden states, one [B, t, H] per layer
         (HF output_hidden_states: embeddings first, the post-norm last hidden state last)."""
@@ -64,7 +72,7 @@ class CachedLM:
         out = self.model.get_decoder()(**kwargs)
         self.hidden_states = out.hidden_states
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
-        return torch.nn.functional.linear(hidden.to(self.head[0].dtype), *self.head)
+        return self.head(hidden)
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

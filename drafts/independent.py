@@ -10,11 +10,13 @@ drafting for itself, the tau = k+1 sanity bound).
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from assets.published import layer_parameters
+from decoding.int8 import int8_copy
 from decoding.kv import CachedLM
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
@@ -159,8 +161,8 @@ def draft_vocabulary(model) -> DraftVocabulary | None:
     ids = getattr(getattr(model, "config", None), "draft_vocabulary", None)
     if not ids:
         return None
-    weight = model.get_output_embeddings().weight
-    return DraftVocabulary(torch.tensor(ids), weight.shape[0]).to(weight.device)
+    rows = model.get_output_embeddings().out_features  # nn.Linear's, or decoding.int8's
+    return DraftVocabulary(torch.tensor(ids), rows).to(model.device)
 
 
 def set_draft_vocabulary(model, examples, size: int, log) -> None:
@@ -339,7 +341,7 @@ class Independent:
     name, description = "independent", "an independent draft model"
     train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
-    hf_assistant, int8_weights = True, False
+    hf_assistant, int8_weights = True, True
 
     def claims(self, spec: str) -> bool:
         return True
@@ -442,6 +444,9 @@ class Independent:
         vocabulary = draft_vocabulary(draft)
         name = spec if vocabulary is None else f"{spec} (draft vocabulary {len(vocabulary.ids)})"
         return LoadedDraft(name, self, draft)
+
+    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+        return replace(loaded, model=int8_copy(loaded.model))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ModelDraft:
         return ModelDraft(loaded.model, name)

@@ -55,7 +55,7 @@ class LoadedDraft:
     max_k_unit: str = "draft positions"
     """What max_k counts, for messages (Medusa: 'heads', one token each)."""
     int8: bool = False
-    """Draft with int8 weights (registry.load_draft(..., int8=True); kinds with int8_weights)."""
+    """It drafts on int8 weights (registry.load_draft(..., int8=True), DraftKind.int8)."""
 
 
 class DraftKind(Protocol):
@@ -71,8 +71,8 @@ class DraftKind(Protocol):
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
     int8_weights: bool
     """Its engine draft can run its matrix products on int8 weights per output row
-    (LoadedDraft.int8: a cheaper step; verification reads the quantised draft's own
-    probabilities, so decoding stays lossless and only acceptance may move)."""
+    (decoding.int8: a cheaper step; verification reads the quantised draft's own
+    probabilities, so decoding stays lossless and only acceptance may move): see int8."""
     train_keys: tuple[str, ...]
     """The train keys only some kinds read that this kind reads (head_decay, block_size, ...):
     any other such key set away from its default is refused (registry.check_train_config);
@@ -110,6 +110,9 @@ class DraftKind(Protocol):
     def load(self, spec: str, target, tokenizer, dtype: torch.dtype,
              device: torch.device) -> LoadedDraft:
         """A saved folder, hub id or spec -> a draft checked against the target."""
+
+    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+        """The loaded draft on int8 weights, quantised once (kinds with int8_weights only)."""
 
     def engine_draft(self, loaded: LoadedDraft, name: str):
         """A fresh decoding.engine.Draft for one engine run."""

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from decoding.int8 import int8_copy
 from decoding.kv import CachedLM
 from decoding.speculative import draw, sampling_probs
 from drafts.folders import read_config
@@ -134,7 +135,7 @@ class Pard:
                   "draft_vocab_size")
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
-    int8_weights = False
+    int8_weights = True
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)
@@ -192,6 +193,9 @@ class Pard:
         k = getattr(draft.config, "pard_trained_k", None)
         return LoadedDraft(f"{spec} (PARD, trained for k <= {k})", self, draft, max_k=k,
                            max_k_unit="trained parallel positions")
+
+    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+        return dataclasses.replace(loaded, model=int8_copy(loaded.model))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ParallelModelDraft:
         return ParallelModelDraft(loaded.model, loaded.model.config.pard_token, name)

@@ -7,6 +7,7 @@ module implementing drafts.kind.DraftKind plus one line here.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,7 +78,7 @@ def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.d
                           "eval.draft_int8=false for it.")
     loaded = kind.load(spec, target, tokenizer, dtype, device)
     if int8:
-        loaded.int8, loaded.name = True, f"{loaded.name} on int8 weights"
+        loaded = replace(kind.int8(loaded), int8=True, name=f"{loaded.name} on int8 weights")
     return loaded
 
 

@@ -5,11 +5,12 @@ our engine; this module is what the rest of draftsmith asks of the kind."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from assets.published import layer_parameters
+from decoding.int8 import int8_copy
 from drafts.dflash.engine import DFlashDraft
 from drafts.dflash.head import (
     DFlashForTraining,
@@ -53,7 +54,7 @@ class DFlash:
     train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
                   "block_starts", "mask_token_id", "head_init")
     formats = ("vllm",)
-    hf_assistant, int8_weights = False, False
+    hf_assistant, int8_weights = False, True
 
     def claims(self, spec: str) -> bool:
         return spec == "dflash" or spec.startswith("dflash:")
@@ -117,6 +118,12 @@ class DFlash:
                            f"trained for k <= {head.block_size})", self,
                            DFlashModel(head, target.get_input_embeddings()),
                            max_k=head.block_size, max_k_unit="trained block positions")
+
+    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+        # fc stays: it maps the target's features once per verified token, and its dtype is
+        # the head's working dtype
+        return replace(loaded, model=DFlashModel(int8_copy(loaded.model.head, skip=("fc",)),
+                                                 loaded.model.embedding))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> DFlashDraft:
         return DFlashDraft(loaded.model.head, loaded.model.embedding, name)

@@ -7,7 +7,7 @@ the head in our engine; this module is what the rest of draftsmith asks of the k
 from __future__ import annotations
 
 from assets.published import layer_parameters
-from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, FusedLayer, HeadCache, Int8Linear
+from drafts.eagle3.engine import Eagle3Draft, Eagle3Model, FusedLayer, HeadCache
 from drafts.eagle3.head import (
     IGNORE,
     Eagle3Head,
@@ -28,7 +28,7 @@ from drafts.vocabulary import frequent_labels
 from recipe import ConfigError, TrainConfig
 
 __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head", "Eagle3Model",
-           "FusedLayer", "HeadCache", "Int8Linear", "check_aux_layers", "check_vocab_maps",
+           "FusedLayer", "HeadCache", "check_aux_layers", "check_vocab_maps",
            "default_aux_layers", "draft_index", "most_frequent_ids", "target_ids", "unroll",
            "vocab_maps"]
 
@@ -108,6 +108,9 @@ class Eagle3:
         check_fits_target(head, target)
         return LoadedDraft(f"{spec} (EAGLE-3, draft vocabulary {head.draft_vocab_size})", self,
                            Eagle3Model(head, target.get_input_embeddings()))
+
+    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+        return loaded  # Eagle3Draft quantises the five matrices of its FusedLayer (loaded.int8)
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> Eagle3Draft:
         return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.int8)

@@ -10,32 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoding.int8 import Int8Linear
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
 from drafts.eagle3.head import Eagle3Head, rotate_half
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
 from drafts.vocabulary import scatter
-
-
-class Int8Linear:
-    """A weight [N, K] stored as int8 per output row with a scale (weight-only quantisation,
-    scale = the row's largest |w| / 127), applied with torch._weight_int8pack_mm on bf16
-    activations: a GEMV reads a quarter of fp32's bytes, which is what a small draft's step
-    costs on a CPU (its weights come from memory after every target forward)."""
-
-    def __init__(self, weight: torch.Tensor):
-        with torch.no_grad():
-            scale = weight.float().abs().amax(1).clamp(min=1e-12) / 127  # [N]
-            self.weight = (weight.float() / scale[:, None]).round().clamp(-127, 127).to(
-                torch.int8)
-        self.scale = scale.to(torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., K] -> [..., N] in x's dtype."""
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        out = torch._weight_int8pack_mm(flat, self.weight, self.scale)
-        return out.view(*x.shape[:-1], -1).to(x.dtype)
 
 
 class FusedLayer:
@@ -57,7 +38,7 @@ class FusedLayer:
                 "o": attn.o_proj.weight,
                 "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
                 "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight}
-        linear = Int8Linear if int8 else (lambda weight: partial(F.linear, weight=weight))
+        linear = Int8Linear.quantise if int8 else (lambda weight: partial(F.linear, weight=weight))
         self.linears = {name: linear(weight) for name, weight in weights.items()}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
             ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
