@@ -372,9 +372,10 @@ class EvalConfig(DecodeSettings):
     (label: the run name for a <run>/train/draft folder, else the folder name): e.g. an
     independent draft next to Medusa heads. Same kinds of spec as draft, except 'trained'."""
     draft_int8: bool = False
-    """Draft with int8 weights per output row on bf16 activations (EAGLE-3 heads; eval.draft,
-    eval.compare_drafts and what serve serves): a cheaper draft step, still lossless, as
-    verification reads the quantised head's own probabilities; acceptance may move a little."""
+    """Draft on int8 weights per output row, multiplied on bf16 activations (decoding/int8.py;
+    EAGLE-3, DFlash, independent and PARD drafts; eval.draft, eval.compare_drafts and what
+    serve serves): a cheaper draft step, still lossless, as verification reads the quantised
+    draft's own probabilities; acceptance may move a little."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
