@@ -187,6 +187,20 @@ def test_a_server_without_a_trained_draft_needs_one_named(served):
         served.default_draft = saved
 
 
+def test_the_served_drafts_run_on_int8_weights_when_the_recipe_says_so(tiny_target, tmp_path):
+    from decoding.int8 import Int8Linear
+    from recipe import ConfigError
+
+    cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path}",
+                             "eval.draft_int8=true"])
+    served = Served(cfg, {"first": "layer-truncated:1"}, torch.device("cpu"))
+    first = served.drafts["first"]
+    assert first.int8 and any(isinstance(m, Int8Linear) for m in first.model.modules())
+    assert not served.drafts["ngram"].int8  # prompt lookup has no weights
+    with pytest.raises(ConfigError, match="set eval.draft_int8=false"):
+        Served(cfg, {"lookup": "prompt-lookup"}, torch.device("cpu"))
+
+
 def test_concurrent_greedy_requests_are_batched_and_answer_as_alone(server, served):
     client = server.client()
     prompts = [f"Tell me about the number {i}." for i in range(6)]
