@@ -9,10 +9,8 @@ computation is that of its valid tokens alone.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from decoding.int8 import Int8Linear
 
@@ -35,8 +33,11 @@ class CachedLM:
             if isinstance(head, Int8Linear):  # a draft on int8 weights (decoding.int8)
                 self.head = head.rows(rows)
             else:
-                self.head = partial(F.linear, weight=head.weight[rows].detach().clone(),
-                                    bias=None if head.bias is None else head.bias[rows].clone())
+                self.head = nn.Linear(head.weight.shape[1], len(rows), head.bias is not None,
+                                      head.weight.device, head.weight.dtype).requires_grad_(False)
+                self.head.weight.copy_(head.weight[rows])
+                if head.bias is not None:
+                    self.head.bias.copy_(head.bias[rows])
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
         """With keep_hidden_states: the last forward's hidden states, one [B, t, H] per layer
         (HF output_hidden_states: embeddings first, the post-norm last hidden state last)."""
@@ -72,6 +73,8 @@ class CachedLM:
         out = self.model.get_decoder()(**kwargs)
         self.hidden_states = out.hidden_states
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
+        if isinstance(self.head, nn.Linear):  # Int8Linear takes any dtype
+            hidden = hidden.to(self.head.weight.dtype)
         return self.head(hidden)
 
     @torch.no_grad()

@@ -72,7 +72,7 @@ def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tin
                         torch.float32, torch.device("cpu"))
     draft = engine_draft(loaded)
     assert draft.vocabulary.ids.tolist() == ids and "draft vocabulary 512" in loaded.name
-    assert draft.lm.head[0].shape == (512, target.config.hidden_size)
+    assert draft.lm.head.weight.shape == (512, target.config.hidden_size)
 
 
 def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
