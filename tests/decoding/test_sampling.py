@@ -16,13 +16,13 @@ import torch
 
 from decoding import speculative
 from decoding.engine import DecodeSettings, generate
-from decoding.int8 import int8_copy
 from decoding.speculative import sampling_probs
-from drafts.dflash import DFlashDraft, DFlashHead
+from drafts.dflash import DFlash, DFlashDraft, DFlashHead, DFlashModel
 from drafts.eagle3 import Eagle3Draft, Eagle3Head
-from drafts.independent import ModelDraft
+from drafts.independent import Independent, ModelDraft
+from drafts.kind import LoadedDraft
 from drafts.medusa import MedusaDraft, MedusaHeads
-from drafts.pard import ParallelModelDraft
+from drafts.pard import ParallelModelDraft, Pard
 from drafts.prompt_lookup import PromptLookupDraft
 from tests.helpers import tiny_llama
 
@@ -43,14 +43,17 @@ def target():
 def _draft(kind: str, target):
     torch.manual_seed(11)
     kind, int8 = kind.removesuffix(", int8 weights"), kind.endswith(", int8 weights")
-    if int8 and not kind.startswith("eagle3"):  # the same draft on int8 weights (decoding.int8)
+    if int8 and not kind.startswith("eagle3"):  # the same draft, quantised by its kind's int8
         draft = _draft(kind, target)
         if kind == "dflash":
-            draft.head = int8_copy(draft.head, skip=("fc",))  # as the kind's int8 does
+            draft.head = DFlash().int8(LoadedDraft("", DFlash(), DFlashModel(
+                draft.head, draft.embed))).model.head
         elif kind.startswith("pard"):
-            draft = ParallelModelDraft(int8_copy(draft.model), mask_id=7)
+            draft = ParallelModelDraft(Pard().int8(LoadedDraft("", Pard(), draft.model)).model,
+                                       mask_id=7)
         else:
-            draft = ModelDraft(int8_copy(draft.lm.model))
+            draft = ModelDraft(Independent().int8(LoadedDraft("", Independent(),
+                                                              draft.lm.model)).model)
         return draft
     if kind == "independent":
         return ModelDraft(_tiny(5, layers=1))
