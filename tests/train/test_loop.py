@@ -75,9 +75,21 @@ def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tin
     assert draft.lm.head.weight.shape == (512, target.config.hidden_size)
 
 
-def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path):
-    # the last step's draft (the best one survives a kill: tests/train/test_best_draft.py)
-    cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", "train.keep=last")
+RESUMED = {  # every path whose state a checkpoint must carry (Medusa: tests/train/test_models.py)
+    "independent": ("train.loss=0.5*fkl+0.5*tvd",),
+    "on-policy": ("train.on_policy_fraction=0.5", "train.on_policy_max_new_tokens=8"),
+    "eagle3-online": EAGLE3,
+    "eagle3-offline": (*EAGLE3, "train.target_features=offline"),
+    "lora": ("train.lora_rank=4", "train.loss=fkl"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMED))
+def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp_path, case):
+    # the last step's draft (the best one survives a kill: tests/train/test_best_draft.py); a
+    # real SIGKILL of the stage's process: test_sigkill_mid_run_then_the_same_command_resumes
+    overrides = (*RESUMED[case], "train.keep=last")
+    cfg = tiny_run(*overrides)
     _train(cfg)
     full = _losses(cfg.run.output_path)
     full_after = json.loads((cfg.run.output_path / "train" / "draft" /
@@ -87,8 +99,7 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(tiny_run, tmp
     shutil.copytree(cfg.run.output_path, killed)
     shutil.rmtree(killed / "train" / "draft")
     shutil.rmtree(killed / "train" / "checkpoints" / checkpoint_name(6))
-    resumed_cfg = tiny_run("train.loss=0.5*fkl+0.5*tvd", "train.keep=last",
-                           f"run.output_dir={killed}")
+    resumed_cfg = tiny_run(*overrides, f"run.output_dir={killed}")
     summary = _train(resumed_cfg)
     assert summary.resumed_from == 3
     resumed = _losses(killed)
@@ -217,19 +228,12 @@ def test_trackers_write_offline(tiny_run, tracker):
         assert read[step] == pytest.approx(loss, rel=1e-6), step
 
 
-KILLED_RUNS = {  # every path whose state a checkpoint must carry
+KILLED_RUNS = {  # one process, and the launches whose processes each hold a shard of the state
     "independent": (),
-    "on-policy": ("train.on_policy_fraction=0.5", "train.on_policy_max_new_tokens=8"),
-    "medusa": ("train.draft=medusa:3", "train.loss=fkl", "eval.k=3"),  # k <= heads
-    "eagle3-online": EAGLE3,
-    "eagle3-offline": (*EAGLE3, "train.target_features=offline"),
-    "lora": ("train.lora_rank=4", "train.loss=fkl"),
-    "ddp-2-processes": ("train.gradient_accumulation_steps=4",),
     "fsdp-2-processes": ("train.gradient_accumulation_steps=4",),
     "zero3-2-processes": ("train.gradient_accumulation_steps=4",),
 }
-LAUNCH = {"ddp-2-processes": "ddp-cpu.yaml", "fsdp-2-processes": "fsdp-cpu.yaml",
-          "zero3-2-processes": "deepspeed-zero3-cpu.yaml"}
+LAUNCH = {"fsdp-2-processes": "fsdp-cpu.yaml", "zero3-2-processes": "deepspeed-zero3-cpu.yaml"}
 
 
 @pytest.mark.slow
