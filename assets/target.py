@@ -230,6 +230,25 @@ def vllm_cpu_environment(cache: str) -> dict:
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
 
 
+def inspect_models_in_process() -> None:
+    """vLLM inspects a model class it has not cached (its interfaces: pooling, EAGLE-3 support,
+    ...) in a fresh Python that imports vLLM again, ~10 s on 2 CPU cores per target and draft
+    architecture, so as not to initialise CUDA in its own process. On a CPU there is no CUDA
+    to keep uninitialised, and the engine imports that class into this process anyway: inspect
+    it here. (vLLM's cache of inspections, <VLLM_CACHE_ROOT>/modelinfos, is written as before;
+    the shipped function stays reachable as the replacement's `shipped`.)"""
+    from vllm.model_executor.models import registry
+    from vllm.platforms import current_platform
+
+    shipped = registry._run_in_subprocess
+    if current_platform.is_cpu() and not hasattr(shipped, "shipped"):
+        def in_process(fn):
+            return fn()
+
+        in_process.shipped = shipped
+        registry._run_in_subprocess = in_process
+
+
 def vllm_engine_options(target_path: str, dtype: str) -> dict:
     """Engine arguments vLLM needs for this target on a CPU besides model and dtype: an MLA
     target (DeepSeek-V2/V3, Kimi-K2) in float32 takes vLLM's reference CPU_MLA backend, since

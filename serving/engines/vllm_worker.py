@@ -36,6 +36,8 @@ import os
 import sys
 import time
 
+from assets.target import inspect_models_in_process
+
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts",
             "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted",
@@ -90,19 +92,6 @@ def fix_cpu_expand() -> None:
     from vllm.utils import cpu_triton_utils
 
     cpu_triton_utils._expand_kernel_impl = _expand_in_place
-
-
-def inspect_models_in_process() -> None:
-    """vLLM inspects a model class it has not cached (its interfaces: pooling, EAGLE-3 support,
-    ...) in a fresh Python that imports vLLM again, ~10 s on 2 CPU cores per target and draft
-    architecture, so as not to initialise CUDA in its own process. On a CPU there is no CUDA
-    to keep uninitialised, and the engine imports that class into this process anyway: inspect
-    it here. (vLLM's cache of inspections, <VLLM_CACHE_ROOT>/modelinfos, is written as before.)"""
-    from vllm.model_executor.models import registry
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        registry._run_in_subprocess = lambda fn: fn()
 
 
 def counters(llm) -> dict:

@@ -482,17 +482,19 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
 
 
 def test_vllm_inspects_a_model_class_in_this_process_on_a_cpu(monkeypatch, tmp_path):
-    """The worker's inspect_models_in_process: an architecture vLLM has not cached is inspected
-    without the subprocess (a second vLLM import) that vLLM starts to keep CUDA uninitialised."""
+    """inspect_models_in_process (the vLLM worker's and distill's): an architecture vLLM has not
+    cached is inspected without the subprocess (a second vLLM import) that vLLM starts to keep
+    CUDA uninitialised."""
     import subprocess
 
     from vllm import envs
     from vllm.model_executor.models import registry
 
-    from serving.engines.vllm_worker import inspect_models_in_process
+    from assets.target import inspect_models_in_process
 
     monkeypatch.setattr(envs, "VLLM_CACHE_ROOT", str(tmp_path))  # nothing cached
-    monkeypatch.setattr(registry, "_run_in_subprocess", registry._run_in_subprocess)  # restored
+    shipped = getattr(registry._run_in_subprocess, "shipped", registry._run_in_subprocess)
+    monkeypatch.setattr(registry, "_run_in_subprocess", shipped)  # as shipped; restored after
     real_run = subprocess.run
 
     def run(command, *args, **kwargs):
