@@ -6,7 +6,8 @@
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
 scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
 the draft on int8 weights (eval.draft_int8: decoding/int8.py, Int8Linear), e.g. eagle3+int8,
-independent@8192+int8.
+independent@8192+int8; +compile with compiled steps (eval.draft_compile; EAGLE-3), e.g.
+eagle3+int8+compile, whose compilation runs before the timed steps.
 
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
@@ -44,7 +45,7 @@ KINDS = ("independent", "medusa", "eagle3", "dflash", "pard")
 
 
 def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtype, device,
-                int8: bool = False):
+                int8: bool = False, compile: bool = False):
     """The recipe's draft of this kind, untrained, saved to folder and loaded as eval does."""
     from train.data import Example
     from train.loop import check_train_config
@@ -52,7 +53,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     kind, _, vocabulary = kind.partition("@")
     cfg = load_config(ROOT / "configs" / f"smollm2-135m-{kind}.yaml", [])
     if kind == "independent":  # a spec, not a folder: the target's first layers
-        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, int8)
+        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, int8, compile)
         if vocabulary:
             loaded.model.config.draft_vocabulary = list(range(int(vocabulary)))
             loaded.name += f", draft vocabulary {vocabulary}"
@@ -65,7 +66,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     draft = draft_kind.build(tcfg, target, tokenizer, rows, lambda *a: None)
     draft.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return load_draft(str(folder), target, tokenizer, dtype, device, int8)
+    return load_draft(str(folder), target, tokenizer, dtype, device, int8, compile)
 
 
 def forward_ms(target, prompt: list[int], repeats: int = 20) -> float:
@@ -151,12 +152,18 @@ def main(argv: list[str] | None = None) -> int:
                "kinds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds.split(","):
-            built, _, option = kind.partition("+")
-            if option not in ("", "int8"):
-                raise SystemExit(f"--kinds {kind}: the only option is +int8 (eagle3+int8).")
+            built, *options = kind.split("+")
+            if set(options) - {"int8", "compile"}:
+                raise SystemExit(f"--kinds {kind}: the options are +int8 and +compile "
+                                 "(eagle3+int8+compile).")
             loaded = build_draft(built, target, tokenizer, prompts, Path(tmp) / kind, dtype,
-                                 device, int8=option == "int8")
+                                 device, int8="int8" in options, compile="compile" in options)
             draft = engine_draft(loaded)
+            if "compile" in options:  # the first steps compile: not a step's cost
+                start = time.perf_counter()
+                for k in range(1, min(args.k_max, loaded.max_k or args.k_max) + 1):
+                    draft_ms(target, prompts[:1], eos, draft, k, 8)
+                print(f"{kind}: compiled in {time.perf_counter() - start:.0f} s")
             top_k = min(args.k_max, loaded.max_k or args.k_max)
             rows = {}
             print(f"\n{kind}: {loaded.name}")

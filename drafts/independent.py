@@ -342,6 +342,7 @@ class Independent:
     train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
     hf_assistant, int8_weights = True, True
+    compiled_steps = False
 
     def claims(self, spec: str) -> bool:
         return True

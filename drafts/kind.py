@@ -56,6 +56,8 @@ class LoadedDraft:
     """What max_k counts, for messages (Medusa: 'heads', one token each)."""
     int8: bool = False
     """It drafts on int8 weights (registry.load_draft(..., int8=True), DraftKind.int8)."""
+    compile: bool = False
+    """Its engine draft runs compiled steps (registry.load_draft(..., compile=True))."""
 
 
 class DraftKind(Protocol):
@@ -73,6 +75,9 @@ class DraftKind(Protocol):
     """Its engine draft can run its matrix products on int8 weights per output row
     (decoding.int8: a cheaper step; verification reads the quantised draft's own
     probabilities, so decoding stays lossless and only acceptance may move): see int8."""
+    compiled_steps: bool
+    """Its engine draft can run its steps compiled (torch.compile: eval.draft_compile), the
+    same arithmetic in fewer, fused kernels."""
     train_keys: tuple[str, ...]
     """The train keys only some kinds read that this kind reads (head_decay, block_size, ...):
     any other such key set away from its default is refused (registry.check_train_config);

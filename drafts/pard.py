@@ -136,6 +136,7 @@ class Pard:
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
     int8_weights = True
+    compiled_steps = False
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)

@@ -57,6 +57,7 @@ class PromptLookup:
     name, description, formats = "prompt-lookup", "prompt lookup", ()
     train_keys = ()
     hf_assistant, int8_weights = False, False
+    compiled_steps = False
 
     def claims(self, spec: str) -> bool:
         return spec == "prompt-lookup"

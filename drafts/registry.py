@@ -67,10 +67,16 @@ def check_target_config(cfg: Config, kind: DraftKind) -> None:
 
 
 def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.device,
-               int8: bool = False) -> LoadedDraft:
+               int8: bool = False, compile: bool = False) -> LoadedDraft:
     """A draft spec or folder -> the draft, checked against the target, of whatever kind;
-    int8: its engine drafts with int8 weights (refused for kinds that cannot)."""
+    int8: its engine drafts with int8 weights, compile: with compiled steps (each refused for
+    kinds that cannot)."""
     kind = kind_of(spec)
+    if compile and not kind.compiled_steps:
+        able = [k.name for k in KINDS if k.compiled_steps]
+        raise ConfigError(f"compiled draft steps: {spec!r} is a {kind.name} draft, and only "
+                          f"{', '.join(able)} drafts run compiled: set "
+                          "eval.draft_compile=false for it.")
     if int8 and not kind.int8_weights:
         able = [k.name for k in KINDS if k.int8_weights]
         raise ConfigError(f"int8 draft weights: {spec!r} is a {kind.name} draft, and only "
@@ -79,6 +85,8 @@ def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.d
     loaded = kind.load(spec, target, tokenizer, dtype, device)
     if int8:
         loaded = replace(kind.int8(loaded), int8=True, name=f"{loaded.name} on int8 weights")
+    if compile:
+        loaded = replace(loaded, compile=True, name=f"{loaded.name}, compiled")
     return loaded
 
 

@@ -41,11 +41,21 @@ class SlotKV:
     def values(self, layer: int = 0) -> torch.Tensor:
         return self._values[layer][:, :, : self.length]
 
+    def buffers(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole buffers: keys, values [B, kv_heads, capacity, head_dim] and the slot mask
+        [B, capacity], for code that writes slots in place (drafts/eagle3/compiled.py); slots
+        at or past `length` hold stale values."""
+        return self._keys[layer], self._values[layer], self._mask
+
+    def reserve(self, t: int) -> None:
+        """Room for t more slots without growing while they are written."""
+        if self.length + t > self.capacity:
+            self._grow(max(self.length + t, 2 * self.capacity))
+
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], valid: torch.Tensor) -> None:
         """One (k, v) [B, kv_heads, t, head_dim] per layer for t new slots, valid [B, t]."""
         start, end = self.length, self.length + valid.shape[1]
-        if end > self.capacity:
-            self._grow(max(end, 2 * self.capacity))
+        self.reserve(end - start)
         for layer, (k, v) in enumerate(kv):
             self._keys[layer][:, :, start:end] = k
             self._values[layer][:, :, start:end] = v

@@ -376,6 +376,12 @@ class EvalConfig(DecodeSettings):
     EAGLE-3, DFlash, independent and PARD drafts; eval.draft, eval.compare_drafts and what
     serve serves): a cheaper draft step, still lossless, as verification reads the quantised
     draft's own probabilities; acceptance may move a little."""
+    draft_compile: bool = False
+    """Run the draft's steps compiled (torch.compile; inductor's C++ wrapper on a CPU): an
+    EAGLE-3 head's greedy chains and its settling after each verification
+    (drafts/eagle3/compiled.py), which cuts the per-operator overhead of a step
+    (docs/scaling-and-hardware.md). The first steps of a run compile (tens of seconds on a
+    CPU, again for a new batch size or chunk length); sampled chains and trees run eager."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""

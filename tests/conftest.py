@@ -140,9 +140,11 @@ of 7.6 s, and the tests' longest sequences need about 0.4 GiB."""
 @pytest.fixture(scope="session", autouse=True)
 def temporary_cache(tmp_path_factory) -> Path:
     """Every test (and every process a test starts) writes under a temporary cache, never the
-    user's ~/.cache/draftsmith: the converted target, runs, vLLM's compile cache."""
+    user's ~/.cache/draftsmith: the converted target, runs, vLLM's and inductor's compile
+    caches."""
     cache = tmp_path_factory.mktemp("draftsmith-cache")
-    environment = {**TEST_ENVIRONMENT, "DRAFTSMITH_CACHE": str(cache)}
+    environment = {**TEST_ENVIRONMENT, "DRAFTSMITH_CACHE": str(cache),
+                   "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}  # compiled draft steps
     before = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
     llamacpp_for_tests()

@@ -55,6 +55,7 @@ class DFlash:
                   "block_starts", "mask_token_id", "head_init")
     formats = ("vllm",)
     hf_assistant, int8_weights = False, True
+    compiled_steps = False
 
     def claims(self, spec: str) -> bool:
         return spec == "dflash" or spec.startswith("dflash:")

@@ -41,6 +41,7 @@ class Eagle3:
                   "feature_noise", "head_init")
     formats = ("vllm", "speculators")
     hf_assistant, int8_weights = False, True
+    compiled_steps = True
 
     def claims(self, spec: str) -> bool:
         return spec.startswith("eagle")
@@ -113,7 +114,8 @@ class Eagle3:
         return loaded  # Eagle3Draft quantises the five matrices of its FusedLayer (loaded.int8)
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> Eagle3Draft:
-        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.int8)
+        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.int8,
+                           loaded.compile, loaded.model.layers)
 
     def check_export(self, draft_folder, k, target_shape) -> None:
         head = Eagle3Head.from_pretrained(draft_folder)  # refuses a d2t that mismatches t2d

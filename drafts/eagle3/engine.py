@@ -3,7 +3,7 @@ last verification and keeps its own KV cache of the verified tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from decoding.int8 import Int8Linear
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
+from drafts.eagle3.compiled import CompiledHead
 from drafts.eagle3.head import Eagle3Head, rotate_half
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
@@ -197,19 +198,25 @@ class Eagle3Model:
 
     head: Eagle3Head
     embedding: nn.Module
+    layers: dict = field(default_factory=dict)
+    """Eagle3Draft's FusedLayer (and CompiledHead) per what they were made from, kept here so
+    that every engine run of this head reuses them (a compilation takes tens of seconds)."""
 
 
 class Eagle3Draft:
     """The engine's draft: the head proposes a chain of k from the target's features of the
-    last verification, keeping its own KV cache of the verified tokens."""
+    last verification, keeping its own KV cache of the verified tokens. compile: greedy chains
+    and the settling after verification run compiled (drafts/eagle3/compiled.py); sampled
+    chains and trees run eager."""
 
     uses_target_hidden = True
     failures = None
 
     def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3",
-                 int8: bool = False):
+                 int8: bool = False, compile: bool = False, layers: dict | None = None):
         self.head, self.embed, self.name, self.int8 = head, embedding, name, int8
-        self.layer, self.made_from = None, None  # the FusedLayer and what it was made from
+        self.compile, self.layers = compile, {} if layers is None else layers
+        self.layer, self.compiled = None, None  # the FusedLayer, and its CompiledHead
         self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
 
     def _features(self, target_hidden) -> torch.Tensor:
@@ -223,9 +230,16 @@ class Eagle3Draft:
         batch = input_ids.shape[0]
         self.draft_ids = self.head.draft_to_target  # [Vd] target ids: once a batch, not a token
         self.cache = HeadCache(batch, self.head, input_ids.device)
-        made_from = (self.int8, [(p.data_ptr(), p._version) for p in self.head.parameters()])
-        if made_from != self.made_from:  # new, or the head's weights changed (training's eval)
-            self.layer, self.made_from = FusedLayer(self.head, self.int8), made_from
+        made_from = (self.int8, self.compile,
+                     tuple((p.data_ptr(), p._version) for p in self.head.parameters()))
+        if made_from not in self.layers:  # new, or the head's weights changed (training's eval)
+            for stale in [key for key in self.layers if key[2] != made_from[2]]:
+                del self.layers[stale]
+            layer = FusedLayer(self.head, self.int8)
+            self.layers[made_from] = layer, CompiledHead(
+                layer, self.embed, self.head.fc, self.head.fc.weight.dtype,
+                input_ids.device) if self.compile else None
+        self.layer, self.compiled = self.layers[made_from]
         following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
         out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
                              attention_mask.bool())
@@ -235,6 +249,13 @@ class Eagle3Draft:
     def propose(self, k, sampling, history, generator=None):
         """A chain of k, each token drawn on the draft vocabulary (q is zero outside it, so
         the distribution over the target's vocabulary is q scattered into zeros)."""
+        if self.compiled is not None and sampling.temperature == 0:
+            self.tokens, self.draft_logits = self.compiled.propose(self.cache, self.hidden,
+                                                                   self.draft_ids, k)
+            self.chain = k - 1
+            probs = torch.zeros(*self.tokens.shape, self.head.vocab_size,
+                                device=self.tokens.device)  # one-hot q: greedy drafting
+            return self.tokens, probs.scatter_(-1, self.tokens[..., None], 1.0)
         layer, hidden = self.layer, self.hidden
         tokens, probs, logits = [], [], []
         for i in range(k):
@@ -316,7 +337,11 @@ class Eagle3Draft:
         following = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         following[rows, num_accepted] = next_token
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
-        out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
-                             valid)
+        if self.compiled is not None:
+            out = self.compiled.run(self.cache, following,
+                                    aux_features(target_hidden, self.head.aux_layers), valid)
+        else:
+            out = self.cache.run(self.layer, self._embeds(following),
+                                 self._features(target_hidden), valid)
         self.hidden = out[rows, num_accepted]  # [B, H]
         self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

@@ -170,6 +170,52 @@ def test_int8_weights_keep_the_head_close_and_the_output_the_targets(target):
     assert draft.layer is not layer
 
 
+@pytest.mark.slow  # inductor compiles three graphs (~1 minute on 2 CPU cores)
+def test_compiled_steps_draft_what_the_eager_head_drafts(target):
+    """eval.draft_compile: greedy chains and the settling after verification run compiled
+    (drafts/eagle3/compiled.py) and propose what the eager head proposes, chain by chain (the
+    same tokens, logits within rounding), over left-padded rows of different lengths (holes in
+    the head's cache), a row whose cache outgrows its first capacity (256 slots), and a second
+    k; output stays the target's. Sampled decoding (eager chains, compiled settling) repeats
+    the eager run's output under the same seed. A later engine run reuses the compiled code."""
+    head = _head(target)
+    prompts, ids, mask = _prompts([5, 250, 8])
+    runs = {}
+    for compile in (False, True):
+        draft = Eagle3Draft(head, target.get_input_embeddings(), compile=compile, layers={})
+        chains = []
+        propose = draft.propose
+
+        def logged(*args, **kwargs):
+            tokens, probs = propose(*args, **kwargs)
+            chains.append((tokens.clone(), draft.draft_logits.clone()))
+            return tokens, probs
+
+        draft.propose = logged
+        for k in (3, 4):
+            runs[compile, k] = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=k),
+                                        set(), draft).tokens
+        runs[compile, "chains"] = chains[:]  # the greedy runs' chains
+        sampled = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3,
+                                                             temperature=1.0), set(), draft,
+                           torch.Generator().manual_seed(0))
+        runs[compile, "sampled"] = sampled.tokens, sum(s.accepted for s in sampled.stats)
+        if compile:
+            assert draft.cache.slots.capacity > 256  # the long row grew the head's cache
+            compiled = draft.compiled
+            generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), set(), draft)
+            assert draft.compiled is compiled
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24), set()).tokens
+    assert runs[True, 3] == runs[False, 3] == runs[True, 4] == plain
+    assert len(runs[True, "chains"]) == len(runs[False, "chains"]) > 10
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(runs[True, "chains"],
+                                                              runs[False, "chains"]):
+        assert torch.equal(tokens, eager_tokens)
+        assert torch.allclose(logits, eager_logits, atol=1e-4)
+    assert runs[True, "sampled"] == runs[False, "sampled"]
+    assert runs[True, "sampled"][1] > 0  # drafted tokens got through: settling ran on them
+
+
 def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
     from recipe import TrainConfig
     from train.loop import slot_loss

@@ -72,6 +72,7 @@ class UnigramKind:
     name, description, formats = "unigram", "a unigram toy", ()
     train_keys = ()
     hf_assistant, int8_weights = False, False
+    compiled_steps = False
 
     def claims(self, spec):
         return spec == "unigram"

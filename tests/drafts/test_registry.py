@@ -65,3 +65,14 @@ def test_every_recipe_loads_and_passes_its_kinds_checks(recipe):
 def test_what_a_kind_cannot_train_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_train_config(TrainConfig(**overrides))
+
+
+@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-truncated:1", "medusa:2x1"])
+def test_compiled_steps_are_refused_for_kinds_without_them(spec):
+    from drafts import load_draft
+    from tests.helpers import tiny_llama
+
+    assert [k.name for k in KINDS if k.compiled_steps] == ["eagle3"]
+    with pytest.raises(ConfigError, match="only eagle3 drafts run compiled: set "
+                                          "eval.draft_compile=false"):
+        load_draft(spec, tiny_llama(64), None, None, None, compile=True)

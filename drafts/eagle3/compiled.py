@@ -1,0 +1,153 @@
+"""The EAGLE-3 head's drafting and settling as static-shape functions for torch.compile
+(eval.draft_compile).
+
+Eager, a drafted token costs some hundred small operator calls (norms, rotary, views, casts,
+cache writes, masks) around five matrix products; on a CPU that dispatch and the Python
+between the calls take about half of an int8 head's step at k=4 (docs/scaling-and-hardware.md).
+Compiled with inductor's C++ wrapper, the calls between the products fuse into a few kernels
+run from C++. To compile once and run every step, the functions see the head's cache as its
+whole buffers (HeadCache's SlotKV: keys, values [B, kv, capacity, d], slot mask [B, capacity])
+and the slots in use as a tensor, so their shapes do not change from one token to the next;
+the capacity, which doubles as a generation grows, is a dynamic dimension. Drafted tokens write
+their slots in place; slots at or past the end of the cache are masked out, whatever stale
+values they hold.
+
+`token` drafts one greedy token and runs it through the layer (what propose repeats k - 1
+times, then `last` for the k-th token's logits); `settle` is HeadCache.run for the verified
+chunk (accept). The arithmetic is FusedLayer's; inductor may fuse and round differently from
+eager, so the drafted tokens can differ from the eager head's in a near tie: verification reads
+the draft's own logits as they are, so decoding stays lossless either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafts.eagle3.head import rotate_half
+from recipe import cache_root
+
+
+class CompiledHead:
+    """A FusedLayer's token and settle steps, compiled (one per FusedLayer: Eagle3Draft keeps
+    them with the layer, so every engine run of a loaded head reuses the compiled code)."""
+
+    def __init__(self, layer, embedding: nn.Module, fc: nn.Module, dtype: torch.dtype,
+                 device: torch.device):
+        self.layer, self.embedding, self.fc, self.dtype = layer, embedding, fc, dtype
+        # inductor's compiled code with draftsmith's other caches (unless the user set it)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        # on a CPU the C++ wrapper runs the kernels without Python between them
+        options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        self._compiled = {name: torch.compile(getattr(self, f"_{name}"), fullgraph=True,
+                                              options=options)
+                          for name in ("token", "last", "settle")}
+
+    def propose(self, cache, hidden: torch.Tensor, draft_ids: torch.Tensor, k: int):
+        """A greedy chain of k from hidden [B, H] (Eagle3Draft.propose at temperature 0): its
+        first k - 1 tokens enter cache (a HeadCache) -> tokens [B, k] (target ids), logits
+        [B, k, Vd]."""
+        slots = cache.slots
+        slots.reserve(k - 1)
+        positions = cache.next_position[:, None] + torch.arange(k - 1, device=hidden.device)
+        cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + k)
+        keys, values, mask = self._buffers(slots)
+        tokens, logits = [], []
+        for i in range(k - 1):
+            token, scores, hidden = self._compiled["token"](
+                hidden, draft_ids, keys, values, mask, self._slot(slots.length + i, hidden),
+                cos[:, :, i:i + 1], sin[:, :, i:i + 1])
+            tokens.append(token)
+            logits.append(scores)
+        token, scores = self._compiled["last"](hidden, draft_ids)
+        slots.length += k - 1
+        cache.next_position = cache.next_position + k - 1
+        return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
+
+    def run(self, cache, tokens: torch.Tensor, target_features: torch.Tensor,
+            valid: torch.Tensor) -> torch.Tensor:
+        """HeadCache.run for tokens [B, t] with the target's aux features [B, t, 3H] (the
+        head's fc inside), valid [B, t] bool -> pre-norm outputs [B, t, H]."""
+        slots, t = cache.slots, tokens.shape[1]
+        slots.reserve(t)
+        steps = valid.long()
+        positions = cache.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
+        cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + t)
+        out = self._compiled["settle"](tokens, target_features, valid, *self._buffers(slots),
+                                       self._slot(slots.length, tokens), cos, sin)
+        slots.length += t
+        cache.next_position = cache.next_position + steps.sum(1)
+        return out
+
+    @staticmethod
+    def _buffers(slots):
+        """The cache's whole buffers, their capacity a dynamic dimension (it doubles as a
+        generation grows: one compilation serves every capacity)."""
+        keys, values, mask = slots.buffers()
+        for buffer, dim in ((keys, 2), (values, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(buffer, dim)
+        return keys, values, mask
+
+    @staticmethod
+    def _slot(index: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(index, dtype=torch.long, device=like.device)
+
+    def _project(self, embeds, hidden, cos, sin):
+        """FusedLayer.project with its rotary cos, sin [B, 1, t, d] given."""
+        layer = self.layer
+        x = torch.cat([layer.norm("embeds", embeds), layer.norm("hidden", hidden)], dim=-1)
+        batch, t, _ = x.shape
+        q, k, v = layer.linears["qkv"](x).split(layer.split, dim=-1)
+        q = q.view(batch, t, layer.heads, layer.head_dim).transpose(1, 2)
+        k = k.view(batch, t, layer.kv_heads, layer.head_dim).transpose(1, 2)
+        v = v.view(batch, t, layer.kv_heads, layer.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def _write(self, keys, values, mask, slots, k, v, valid) -> None:
+        """Slots [t] of the buffers <- k, v [B, kv, t, d], valid [B, t], in place."""
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
+        mask.index_copy_(1, slots, valid)
+
+    def _attend(self, q, keys, values, allowed):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
+                                              enable_gqa=self.layer.groups > 1)
+
+    def _last(self, hidden, draft_ids):
+        """hidden [B, H] -> the greedy token [B] (target ids) and its logits [B, Vd]."""
+        logits = self.layer.logits(hidden)
+        return draft_ids[logits.argmax(-1)], logits
+
+    def _token(self, hidden, draft_ids, keys, values, mask, length, cos, sin):
+        """One drafted token: hidden [B, H] proposes it greedily; it enters the cache at slot
+        length ([] long; buffers as HeadCache's, written in place) with rotary cos, sin
+        [B, 1, 1, d] at its position, seeing every kept slot and itself -> token [B], logits
+        [B, Vd], the layer's pre-norm output for it [B, H]."""
+        token, logits = self._last(hidden, draft_ids)
+        embeds = self.embedding(token[:, None]).to(self.dtype)  # [B, 1, H]
+        q, k, v = self._project(embeds, hidden[:, None], cos, sin)
+        slot = length[None]
+        self._write(keys, values, mask, slot, k, v, mask.new_ones(len(token), 1))
+        live = torch.arange(mask.shape[1], device=mask.device) <= length  # [C]
+        allowed = (mask & live)[:, None]  # [B, 1, C]
+        out = self.layer.finish(self._attend(q, keys, values, allowed), hidden[:, None])
+        return token, logits, out[:, 0]
+
+    def _settle(self, tokens, features, valid, keys, values, mask, length, cos, sin):
+        """HeadCache.run's static form: tokens [B, t] enter slots length .. length + t - 1 with
+        the target's aux features [B, t, 3H] (fc inside), valid [B, t], rotary cos, sin
+        [B, 1, t, d] at their positions; a slot sees the kept slots before it and itself ->
+        pre-norm outputs [B, t, H]."""
+        hidden = self.fc(features.to(self.dtype))
+        embeds = self.embedding(tokens).to(self.dtype)
+        q, k, v = self._project(embeds, hidden, cos, sin)
+        t = tokens.shape[1]
+        slots = length + torch.arange(t, device=tokens.device)  # [t]
+        self._write(keys, values, mask, slots, k, v, valid)
+        every = torch.arange(mask.shape[1], device=mask.device)  # [C]
+        before = every[None, :] <= slots[:, None]  # [t, C]: a slot's past and itself
+        allowed = (before[None] & mask[:, None, :]) | (every[None, :] == slots[:, None])[None]
+        return self.layer.finish(self._attend(q, keys, values, allowed), hidden)
