@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.draft_step [--kinds independent,medusa,eagle3,dflash,pard]
         [--k-max 8] [--new-tokens 48] [--prompts 2] [--dtype float32] [--profile-k 4]
+        [--rounds 3]
 
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
 scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
@@ -16,8 +17,10 @@ are built from the embedded target, untrained (a step's cost does not depend on 
 and run by our engine greedy on MT-bench questions, batch 1, at k = 1..k-max (up to what the
 kind drafts). It prints per k the draft's milliseconds per drafting step (the engine's own
 clock, decoding/engine.py) and its ratio to a 1-token target forward measured the same way
-(a KV cache holding the question); then, at --profile-k, torch.profiler's view of the draft
-steps: the operators that take the time, and the share left to Python between them.
+(a KV cache holding the question), as the median over --rounds rounds, each of which
+measures every kind and k against its own target forward; then, at --profile-k,
+torch.profiler's view of the draft steps: the operators that take the time, and the share
+left to Python between them.
 Writes benchmarks/results/draft_step.json when --out is given.
 """
 
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--profile-k", type=int, default=4, help="0: no profile")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="every kind and k measured once per round; medians reported")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device("cpu")
@@ -145,12 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
                for c in conversations[: args.prompts]]
     eos = end_of_turn_ids(target, tokenizer)
-    base = forward_ms(target, prompts[0])
-    print(f"target {resolved.name} ({args.dtype}), batch 1, {torch.get_num_threads()} threads: "
-          f"a 1-token forward takes {base:.1f} ms (median of 20)")
-    results = {"forward_ms": base, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    results = {"dtype": args.dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
                "kinds": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        drafts = {}  # kind -> (loaded, engine draft, largest k)
         for kind in args.kinds.split(","):
             built, *options = kind.split("+")
             if set(options) - {"int8", "compile"}:
@@ -159,20 +162,39 @@ def main(argv: list[str] | None = None) -> int:
             loaded = build_draft(built, target, tokenizer, prompts, Path(tmp) / kind, dtype,
                                  device, int8="int8" in options, compile="compile" in options)
             draft = engine_draft(loaded)
+            top_k = min(args.k_max, loaded.max_k or args.k_max)
             if "compile" in options:  # the first steps compile: not a step's cost
                 start = time.perf_counter()
-                for k in range(1, min(args.k_max, loaded.max_k or args.k_max) + 1):
+                for k in range(1, top_k + 1):
                     draft_ms(target, prompts[:1], eos, draft, k, 8)
                 print(f"{kind}: compiled in {time.perf_counter() - start:.0f} s")
-            top_k = min(args.k_max, loaded.max_k or args.k_max)
+            drafts[kind] = loaded, draft, top_k
+        # rounds: every kind and k once per round, each against that round's target forward,
+        # so that the machine's drift over the run spreads over all of them alike
+        forwards, measured = [], {kind: {} for kind in drafts}
+        for _ in range(args.rounds):
+            forwards.append(forward_ms(target, prompts[0]))
+            for kind, (_, draft, top_k) in drafts.items():
+                for k in range(1, top_k + 1):
+                    ms, steps = draft_ms(target, prompts, eos, draft, k, args.new_tokens)
+                    measured[kind].setdefault(k, []).append((ms, ms / forwards[-1], steps))
+        base = statistics.median(forwards)
+        results["forward_ms"], results["forward_ms_rounds"] = base, forwards
+        print(f"target {resolved.name} ({args.dtype}), batch 1, {torch.get_num_threads()} "
+              f"threads: a 1-token forward takes {base:.1f} ms (median over {args.rounds} "
+              f"rounds of the median of 20: {', '.join(f'{f:.1f}' for f in forwards)})")
+        for kind, (loaded, draft, top_k) in drafts.items():
             rows = {}
             print(f"\n{kind}: {loaded.name}")
-            print("| k | ms per draft step | vs a 1-token target forward | steps |")
+            print("| k | ms per draft step | vs a 1-token target forward (rounds' range) | steps |")
             print("|---|---|---|---|")
-            for k in range(1, top_k + 1):
-                ms, steps = draft_ms(target, prompts, eos, draft, k, args.new_tokens)
-                rows[k] = {"ms": ms, "ratio": ms / base, "steps": steps}
-                print(f"| {k} | {ms:.1f} | {ms / base:.0%} | {steps} |")
+            for k, runs in measured[kind].items():
+                ratios = [ratio for _, ratio, _ in runs]
+                rows[k] = {"ms": statistics.median(ms for ms, _, _ in runs),
+                           "ratio": statistics.median(ratios), "ratios": ratios,
+                           "steps": runs[0][2]}
+                print(f"| {k} | {rows[k]['ms']:.1f} | {rows[k]['ratio']:.0%} ({min(ratios):.0%}"
+                      f"-{max(ratios):.0%}) | {rows[k]['steps']} |")
             found = {"name": loaded.name, "per_k": rows}
             if args.profile_k and args.profile_k <= top_k:
                 found["profile"] = profile(target, prompts, eos, draft, args.profile_k,
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"question, profiler on: {seen['draft_ms_per_step']:.1f} ms a step): "
                       f"{seen['outside_operators']:.0%} of the time outside any operator")
                 for op in seen["top_ops"]:
-                    print(f"  {op['op']:<40} {op['self_ms_per_step']:7.2f} ms/step "
+                    print(f"  {op['op'][:60]:<60} {op['self_ms_per_step']:7.2f} ms/step "
                           f"{op['share']:5.1%}  {op['calls_per_step']:.0f} calls/step")
             results["kinds"][kind] = found
     if args.out:
