@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafts.eagle3.head import rotate_half
-from recipe import cache_root
+from recipe import ConfigError, cache_root
 
 
 class CompiledHead:
@@ -45,6 +45,28 @@ class CompiledHead:
         self._compiled = {name: torch.compile(getattr(self, f"_{name}"), fullgraph=True,
                                               options=options)
                           for name in ("token", "last", "settle")}
+        self._ran: set[str] = set()  # functions that compiled and ran once
+
+    def _call(self, name: str, *args):
+        """The compiled function; its first call compiles, and a failure there (no C++
+        compiler, an operator inductor cannot lower) says what to do."""
+        if name in self._ran:
+            return self._compiled[name](*args)
+        try:
+            out = self._compiled[name](*args)
+        except Exception as error:
+            from torch._dynamo.exc import BackendCompilerFailed, Unsupported
+            from torch._inductor.exc import InductorError
+
+            if not isinstance(error, BackendCompilerFailed | InductorError | Unsupported):
+                raise
+            raise ConfigError(
+                f"eval.draft_compile=true: torch.compile could not compile the EAGLE-3 head's "
+                f"{name} step ({type(error).__name__}: {str(error).splitlines()[0][:300]}). "
+                "Inductor needs a C++ compiler on a CPU (g++, or $CXX) and Triton on a GPU; "
+                "install it, or set eval.draft_compile=false to draft eager.") from error
+        self._ran.add(name)
+        return out
 
     def propose(self, cache, hidden: torch.Tensor, draft_ids: torch.Tensor, k: int):
         """A greedy chain of k from hidden [B, H] (Eagle3Draft.propose at temperature 0): its
@@ -57,12 +79,12 @@ class CompiledHead:
         keys, values, mask = self._buffers(slots)
         tokens, logits = [], []
         for i in range(k - 1):
-            token, scores, hidden = self._compiled["token"](
-                hidden, draft_ids, keys, values, mask, self._slot(slots.length + i, hidden),
-                cos[:, :, i:i + 1], sin[:, :, i:i + 1])
+            slot = self._slot(slots.length + i, hidden)
+            token, scores, hidden = self._call("token", hidden, draft_ids, keys, values, mask,
+                                               slot, cos[:, :, i:i + 1], sin[:, :, i:i + 1])
             tokens.append(token)
             logits.append(scores)
-        token, scores = self._compiled["last"](hidden, draft_ids)
+        token, scores = self._call("last", hidden, draft_ids)
         slots.length += k - 1
         cache.next_position = cache.next_position + k - 1
         return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
@@ -76,8 +98,8 @@ class CompiledHead:
         steps = valid.long()
         positions = cache.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
         cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + t)
-        out = self._compiled["settle"](tokens, target_features, valid, *self._buffers(slots),
-                                       self._slot(slots.length, tokens), cos, sin)
+        out = self._call("settle", tokens, target_features, valid, *self._buffers(slots),
+                         self._slot(slots.length, tokens), cos, sin)
         slots.length += t
         cache.next_position = cache.next_position + steps.sum(1)
         return out

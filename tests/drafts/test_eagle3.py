@@ -216,6 +216,21 @@ def test_compiled_steps_draft_what_the_eager_head_drafts(target):
     assert runs[True, "sampled"][1] > 0  # drafted tokens got through: settling ran on them
 
 
+@pytest.mark.slow  # dynamo traces the step before the C++ compiler is called
+def test_a_compiled_step_that_cannot_compile_names_the_fix(target, tmp_path, monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled before
+    monkeypatch.setattr(inductor, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor.cpp, "cxx", ("no-such-c++-compiler",))
+    _, ids, mask = _prompts([6])
+    draft = Eagle3Draft(_head(target, draft_size=120), target.get_input_embeddings(),
+                        compile=True, layers={})
+    with pytest.raises(ConfigError, match="torch.compile could not compile .* set "
+                                          "eval.draft_compile=false"):
+        generate(target, ids, mask, DecodeSettings(max_new_tokens=8, k=3), set(), draft)
+
+
 def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
     from recipe import TrainConfig
     from train.loop import slot_loss
