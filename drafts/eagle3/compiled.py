@@ -12,9 +12,9 @@ the capacity, which doubles as a generation grows, is a dynamic dimension. Draft
 their slots in place; slots at or past the end of the cache are masked out, whatever stale
 values they hold.
 
-`token` drafts one greedy token and runs it through the layer (what propose repeats k - 1
-times, then `last` for the k-th token's logits); `settle` is HeadCache.run for the verified
-chunk (accept). The arithmetic is FusedLayer's; inductor may fuse and round differently from
+A chain of k is one compiled call (one per k: k is a constant of its code): `token` drafts
+one greedy token and runs it through the layer, k - 1 times, then `last` gives the k-th
+token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic is FusedLayer's; inductor may fuse and round differently from
 eager, so the drafted tokens can differ from the eager head's in a near tie: verification reads
 the draft's own logits as they are, so decoding stays lossless either way.
 """
@@ -32,8 +32,8 @@ from recipe import ConfigError, cache_root
 
 
 class CompiledHead:
-    """A FusedLayer's token and settle steps, compiled (one per FusedLayer: Eagle3Draft keeps
-    them with the layer, so every engine run of a loaded head reuses the compiled code)."""
+    """A FusedLayer's chains and settling, compiled (one per FusedLayer: Eagle3Draft keeps them
+    with the layer, so every engine run of a loaded head reuses the compiled code)."""
 
     def __init__(self, layer, embedding: nn.Module, fc: nn.Module, dtype: torch.dtype,
                  device: torch.device):
@@ -41,11 +41,12 @@ class CompiledHead:
         # inductor's compiled code with draftsmith's other caches (unless the user set it)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         # on a CPU the C++ wrapper runs the kernels without Python between them
-        options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-        self._compiled = {name: torch.compile(getattr(self, f"_{name}"), fullgraph=True,
-                                              options=options)
-                          for name in ("token", "last", "settle")}
+        self.options = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        self._compiled = {"settle": self._compile(self._settle)}  # and "chain <k>" once used
         self._ran: set[str] = set()  # functions that compiled and ran once
+
+    def _compile(self, function):
+        return torch.compile(function, fullgraph=True, options=self.options)
 
     def _call(self, name: str, *args):
         """The compiled function; its first call compiles, and a failure there (no C++
@@ -76,18 +77,30 @@ class CompiledHead:
         slots.reserve(k - 1)
         positions = cache.next_position[:, None] + torch.arange(k - 1, device=hidden.device)
         cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + k)
-        keys, values, mask = self._buffers(slots)
-        tokens, logits = [], []
-        for i in range(k - 1):
-            slot = self._slot(slots.length + i, hidden)
-            token, scores, hidden = self._call("token", hidden, draft_ids, keys, values, mask,
-                                               slot, cos[:, :, i:i + 1], sin[:, :, i:i + 1])
-            tokens.append(token)
-            logits.append(scores)
-        token, scores = self._call("last", hidden, draft_ids)
+        name = f"chain {k}"  # one compiled call a chain: k is a constant of its code
+        if name not in self._compiled:
+            self._compiled[name] = self._compile(self._chain(k))
+        out = self._call(name, hidden, draft_ids, *self._buffers(slots),
+                         self._slot(slots.length, hidden), cos, sin)
         slots.length += k - 1
         cache.next_position = cache.next_position + k - 1
-        return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
+        return out
+
+    def _chain(self, k: int):
+        """The chain of k as one function: k - 1 tokens through the layer, then the last
+        token's logits -> tokens [B, k], logits [B, k, Vd]."""
+        def chain(hidden, draft_ids, keys, values, mask, length, cos, sin):
+            tokens, logits = [], []
+            for i in range(k - 1):
+                token, scores, hidden = self._token(hidden, draft_ids, keys, values, mask,
+                                                    length + i, cos[:, :, i:i + 1],
+                                                    sin[:, :, i:i + 1])
+                tokens.append(token)
+                logits.append(scores)
+            token, scores = self._last(hidden, draft_ids)
+            return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
+
+        return chain
 
     def run(self, cache, tokens: torch.Tensor, target_features: torch.Tensor,
             valid: torch.Tensor) -> torch.Tensor:
