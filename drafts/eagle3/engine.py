@@ -243,7 +243,9 @@ class Eagle3Draft:
         following = torch.cat([input_ids[:, 1:], first_token[:, None]], dim=1)  # x_{t+1}
         out = self.cache.run(self.layer, self._embeds(following), self._features(target_hidden),
                              attention_mask.bool())
-        self.hidden = out[:, -1]  # [B, H] left padding: the last slot is every row's last token
+        # [B, H] left padding: the last slot is every row's last token (contiguous, as accept
+        # leaves it: a compiled chain then never sees another stride)
+        self.hidden = out[:, -1].clone(memory_format=torch.contiguous_format)
         self.chain = 0
 
     def propose(self, k, sampling, history, generator=None):
