@@ -14,9 +14,10 @@ values they hold.
 
 A chain of k is one compiled call (one per k: k is a constant of its code): `token` drafts
 one greedy token and runs it through the layer, k - 1 times, then `last` gives the k-th
-token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic is FusedLayer's; inductor may fuse and round differently from
-eager, so the drafted tokens can differ from the eager head's in a near tie: verification reads
-the draft's own logits as they are, so decoding stays lossless either way.
+token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic
+is FusedLayer's; inductor may fuse and round differently from eager, so the drafted tokens
+can differ from the eager head's in a near tie: verification reads the draft's own logits as
+they are, so decoding stays lossless either way.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from drafts.eagle3.head import rotate_half
+from drafts.eagle3.head import attend
 from recipe import ConfigError, cache_root
 
 
@@ -130,26 +130,11 @@ class CompiledHead:
     def _slot(index: int, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(index, dtype=torch.long, device=like.device)
 
-    def _project(self, embeds, hidden, cos, sin):
-        """FusedLayer.project with its rotary cos, sin [B, 1, t, d] given."""
-        layer = self.layer
-        x = torch.cat([layer.norm("embeds", embeds), layer.norm("hidden", hidden)], dim=-1)
-        batch, t, _ = x.shape
-        q, k, v = layer.linears["qkv"](x).split(layer.split, dim=-1)
-        q = q.view(batch, t, layer.heads, layer.head_dim).transpose(1, 2)
-        k = k.view(batch, t, layer.kv_heads, layer.head_dim).transpose(1, 2)
-        v = v.view(batch, t, layer.kv_heads, layer.head_dim).transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
     def _write(self, keys, values, mask, slots, k, v, valid) -> None:
         """Slots [t] of the buffers <- k, v [B, kv, t, d], valid [B, t], in place."""
         keys.index_copy_(2, slots, k)
         values.index_copy_(2, slots, v)
         mask.index_copy_(1, slots, valid)
-
-    def _attend(self, q, keys, values, allowed):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None],
-                                              enable_gqa=self.layer.groups > 1)
 
     def _last(self, hidden, draft_ids):
         """hidden [B, H] -> the greedy token [B] (target ids) and its logits [B, Vd]."""
@@ -163,12 +148,13 @@ class CompiledHead:
         [B, Vd], the layer's pre-norm output for it [B, H]."""
         token, logits = self._last(hidden, draft_ids)
         embeds = self.embedding(token[:, None]).to(self.dtype)  # [B, 1, H]
-        q, k, v = self._project(embeds, hidden[:, None], cos, sin)
+        q, k, v = self.layer.project_rotated(embeds, hidden[:, None], cos, sin)
         slot = length[None]
         self._write(keys, values, mask, slot, k, v, mask.new_ones(len(token), 1))
         live = torch.arange(mask.shape[1], device=mask.device) <= length  # [C]
         allowed = (mask & live)[:, None]  # [B, 1, C]
-        out = self.layer.finish(self._attend(q, keys, values, allowed), hidden[:, None])
+        attended = attend(q, keys, values, allowed, self.layer.groups)
+        out = self.layer.finish(attended, hidden[:, None])
         return token, logits, out[:, 0]
 
     def _settle(self, tokens, features, valid, keys, values, mask, length, cos, sin):
@@ -178,11 +164,11 @@ class CompiledHead:
         pre-norm outputs [B, t, H]."""
         hidden = self.fc(features.to(self.dtype))
         embeds = self.embedding(tokens).to(self.dtype)
-        q, k, v = self._project(embeds, hidden, cos, sin)
+        q, k, v = self.layer.project_rotated(embeds, hidden, cos, sin)
         t = tokens.shape[1]
         slots = length + torch.arange(t, device=tokens.device)  # [t]
         self._write(keys, values, mask, slots, k, v, valid)
         every = torch.arange(mask.shape[1], device=mask.device)  # [C]
         before = every[None, :] <= slots[:, None]  # [t, C]: a slot's past and itself
         allowed = (before[None] & mask[:, None, :]) | (every[None, :] == slots[:, None])[None]
-        return self.layer.finish(self._attend(q, keys, values, allowed), hidden)
+        return self.layer.finish(attend(q, keys, values, allowed, self.layer.groups), hidden)

@@ -14,7 +14,7 @@ from decoding.int8 import Int8Linear
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
 from drafts.eagle3.compiled import CompiledHead
-from drafts.eagle3.head import Eagle3Head, rotate_half
+from drafts.eagle3.head import Eagle3Head, attend, rotate_half
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
 from drafts.vocabulary import scatter
@@ -76,15 +76,20 @@ class FusedLayer:
         """As Eagle3Head.project: -> q [B, n, t, d], k, v [B, kv, t, d], residual [B, t, H].
         limit: a bound on positions the caller knows (HeadCache: its slot count), so that the
         rotary table grows without reading positions back from the device."""
+        cos, sin = self.cos_sin(hidden, positions, int(positions.max()) + 1 if limit is None
+                                else limit)
+        return *self.project_rotated(embeds, hidden, cos, sin), hidden
+
+    def project_rotated(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor):
+        """project with the rotary cos, sin [B, 1, t, d] given -> q, k, v."""
         x = torch.cat([self.norm("embeds", embeds), self.norm("hidden", hidden)], dim=-1)
         batch, t, _ = x.shape
         q, k, v = self.linears["qkv"](x).split(self.split, dim=-1)
         q = q.view(batch, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos_sin(x, positions, int(positions.max()) + 1 if limit is None
-                                else limit)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v, hidden
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """As Eagle3Head.finish: [B, n, t, d], [B, t, H] -> pre-norm output [B, t, H]."""
@@ -133,9 +138,7 @@ class HeadCache:
     def _attend(self, layer: Layer, q, allowed) -> torch.Tensor:
         """q [B, n, t, d] over the cache, allowed [B, t, L] -> [B, n, t, d] (grouped-query
         heads read the kv heads in place)."""
-        return F.scaled_dot_product_attention(q, self.keys, self.values,
-                                              attn_mask=allowed[:, None],
-                                              enable_gqa=layer.groups > 1)
+        return attend(q, self.keys, self.values, allowed, layer.groups)
 
     def run(self, layer: Layer, embeds, hidden, valid) -> torch.Tensor:
         """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs

@@ -140,6 +140,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+           groups: int) -> torch.Tensor:
+    """q [B, n, t, d] over keys, values [B, kv, L, d] (n = kv x groups), allowed [B, t, L] bool
+    -> [B, n, t, d]; grouped-query heads read the kv heads in place (the engine's caches)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=allowed[:, None], enable_gqa=groups > 1)
+
+
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, kv, t, d] -> [B, kv * groups, t, d] (grouped-query attention)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
