@@ -10,6 +10,7 @@ drafting for itself, the tau = k+1 sanity bound).
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import replace
 
 import torch
@@ -21,7 +22,9 @@ from decoding.kv import CachedLM
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
+from drafts.fused import CompiledSteps
 from drafts.kind import LoadedDraft, Slot, TargetHidden
+from drafts.slot_lm import FusedDecoder, SlotLM
 from drafts.vocabulary import DraftVocabulary, frequent_labels
 from recipe import ConfigError, TrainConfig
 
@@ -236,14 +239,22 @@ class DraftForTraining(LMHead, nn.Module):
 class ModelDraft:
     """The engine's draft: the LM proposes k tokens one by one from its own KV cache. With a
     draft vocabulary (the model's config.draft_vocabulary) its head scores those tokens alone
-    and q is zero elsewhere."""
+    and q is zero elsewhere. compile: the LM runs as drafts.slot_lm.SlotLM, its greedy chains
+    one compiled call each (sampled chains and trees eager, over the same cache)."""
 
     uses_target_hidden = False
 
-    def __init__(self, model, name: str = "draft"):
+    def __init__(self, model, name: str = "draft", compile: bool = False):
         self.vocabulary = draft_vocabulary(model)
         ids = None if self.vocabulary is None else self.vocabulary.ids
-        self.lm, self.name = CachedLM(model, vocabulary=ids), name
+        self.compile, self.name = compile, name
+        if compile:
+            self.lm = compiled_lm(model, ids)
+            size = self.lm.decoder.vocab_size
+            self.ids = torch.arange(size, device=self.lm.decoder.final[0].device) \
+                if ids is None else ids  # [Vd] the target id of each logit's column
+        else:
+            self.lm = CachedLM(model, vocabulary=ids)
         self.failures = None  # [B] bool: rows whose draft produced non-finite logits
         self.draft_logits = None  # [B, k, V or Vd] behind the last chain
 
@@ -264,6 +275,14 @@ class ModelDraft:
         self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
 
     def propose(self, k, sampling, history, generator=None):
+        if self.compile and sampling.temperature == 0:
+            self.tokens, self.draft_logits = self.lm.greedy_chain(self.pending, self.pending_valid,
+                                                                  k, self.ids)
+            self.failures |= ~torch.isfinite(self.draft_logits).all(-1).all(-1)
+            self.fed = k - 1
+            probs = torch.zeros(*self.tokens.shape, self.lm.decoder.vocab_size,
+                                device=self.tokens.device)  # one-hot q: greedy drafting
+            return self.tokens, probs.scatter_(-1, self.tokens[..., None], 1.0)
         logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
         tokens, probs, scores = [], [], []
         for i in range(k):
@@ -332,6 +351,26 @@ class ModelDraft:
         self.pending, self.pending_valid = pending[:, first:], valid[:, first:]
 
 
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> (what it was made from, its FusedDecoder, CompiledSteps): every engine run of a
+loaded draft reuses the compiled code (a compilation takes tens of seconds)."""
+
+
+def compiled_lm(model, vocabulary: torch.Tensor | None) -> SlotLM:
+    """A SlotLM of the model with compiled greedy chains, made again when its weights
+    changed."""
+    made_from = (None if vocabulary is None else tuple(vocabulary.tolist()),
+                 tuple((t.data_ptr(), t._version)
+                       for t in (*model.parameters(), *model.buffers())))
+    kept = _compiled.get(model)
+    if kept is None or kept[0] != made_from:
+        decoder = FusedDecoder(model, vocabulary)
+        kept = made_from, decoder, CompiledSteps(decoder.final[0].device,
+                                                 "the independent draft's")
+        _compiled[model] = kept
+    return SlotLM(kept[1], kept[2])
+
+
 # --- the kind ----------------------------------------------------------------------------------
 
 class Independent:
@@ -342,7 +381,7 @@ class Independent:
     train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
     hf_assistant, int8_weights = True, True
-    compiled_steps = False
+    compiled_steps = True
 
     def claims(self, spec: str) -> bool:
         return True
@@ -450,7 +489,7 @@ class Independent:
         return replace(loaded, model=int8_copy(loaded.model))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ModelDraft:
-        return ModelDraft(loaded.model, name)
+        return ModelDraft(loaded.model, name, loaded.compile)
 
     def check_export(self, draft_folder, k, target_shape) -> None:
         vocab = (read_config(draft_folder) or {}).get("vocab_size")

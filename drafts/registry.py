@@ -87,6 +87,7 @@ def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.d
         loaded = replace(kind.int8(loaded), int8=True, name=f"{loaded.name} on int8 weights")
     if compile:
         loaded = replace(loaded, compile=True, name=f"{loaded.name}, compiled")
+        engine_draft(loaded)  # a draft compiled steps cannot run is refused before generating
     return loaded
 
 

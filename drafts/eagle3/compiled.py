@@ -22,13 +22,11 @@ they are, so decoding stays lossless either way.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from drafts.eagle3.head import attend
-from recipe import ConfigError, cache_root
+from drafts.fused import CompiledSteps, mark_capacity_dynamic
 
 
 class CompiledHead:
@@ -38,36 +36,8 @@ class CompiledHead:
     def __init__(self, layer, embedding: nn.Module, fc: nn.Module, dtype: torch.dtype,
                  device: torch.device):
         self.layer, self.embedding, self.fc, self.dtype = layer, embedding, fc, dtype
-        # inductor's compiled code with draftsmith's other caches (unless the user set it)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
-        # on a CPU the C++ wrapper runs the kernels without Python between them
-        self.options = {"cpp_wrapper": True} if device.type == "cpu" else {}
-        self._compiled = {"settle": self._compile(self._settle)}  # and "chain <k>" once used
-        self._ran: set[str] = set()  # functions that compiled and ran once
-
-    def _compile(self, function):
-        return torch.compile(function, fullgraph=True, options=self.options)
-
-    def _call(self, name: str, *args):
-        """The compiled function; its first call compiles, and a failure there (no C++
-        compiler, an operator inductor cannot lower) says what to do."""
-        if name in self._ran:
-            return self._compiled[name](*args)
-        try:
-            out = self._compiled[name](*args)
-        except Exception as error:
-            from torch._dynamo.exc import BackendCompilerFailed, Unsupported
-            from torch._inductor.exc import InductorError
-
-            if not isinstance(error, BackendCompilerFailed | InductorError | Unsupported):
-                raise
-            raise ConfigError(
-                f"eval.draft_compile=true: torch.compile could not compile the EAGLE-3 head's "
-                f"{name} step ({type(error).__name__}: {str(error).splitlines()[0][:300]}). "
-                "Inductor needs a C++ compiler on a CPU (g++, or $CXX) and Triton on a GPU; "
-                "install it, or set eval.draft_compile=false to draft eager.") from error
-        self._ran.add(name)
-        return out
+        self.steps = CompiledSteps(device, "the EAGLE-3 head's")
+        self.steps.add("settle", self._settle)  # and "chain <k>" once used
 
     def propose(self, cache, hidden: torch.Tensor, draft_ids: torch.Tensor, k: int):
         """A greedy chain of k from hidden [B, H] (Eagle3Draft.propose at temperature 0): its
@@ -78,9 +48,9 @@ class CompiledHead:
         positions = cache.next_position[:, None] + torch.arange(k - 1, device=hidden.device)
         cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + k)
         name = f"chain {k}"  # one compiled call a chain: k is a constant of its code
-        if name not in self._compiled:
-            self._compiled[name] = self._compile(self._chain(k))
-        out = self._call(name, hidden, draft_ids, *self._buffers(slots),
+        if name not in self.steps:
+            self.steps.add(name, self._chain(k))
+        out = self.steps(name, hidden, draft_ids, *self._buffers(slots),
                          self._slot(slots.length, hidden), cos, sin)
         slots.length += k - 1
         cache.next_position = cache.next_position + k - 1
@@ -111,7 +81,7 @@ class CompiledHead:
         steps = valid.long()
         positions = cache.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
         cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + t)
-        out = self._call("settle", tokens, target_features, valid, *self._buffers(slots),
+        out = self.steps("settle", tokens, target_features, valid, *self._buffers(slots),
                          self._slot(slots.length, tokens), cos, sin)
         slots.length += t
         cache.next_position = cache.next_position + steps.sum(1)
@@ -119,11 +89,9 @@ class CompiledHead:
 
     @staticmethod
     def _buffers(slots):
-        """The cache's whole buffers, their capacity a dynamic dimension (it doubles as a
-        generation grows: one compilation serves every capacity)."""
+        """The cache's whole buffers, their capacity a dynamic dimension."""
         keys, values, mask = slots.buffers()
-        for buffer, dim in ((keys, 2), (values, 2), (mask, 1)):
-            torch._dynamo.maybe_mark_dynamic(buffer, dim)
+        mark_capacity_dynamic([keys], [values], mask)
         return keys, values, mask
 
     @staticmethod

@@ -15,6 +15,7 @@ from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
 from drafts.eagle3.compiled import CompiledHead
 from drafts.eagle3.head import Eagle3Head, attend, rotate_half
+from drafts.fused import RotaryTable, rms_norm
 from drafts.kind import aux_features
 from drafts.slots import SlotKV
 from drafts.vocabulary import scatter
@@ -49,27 +50,11 @@ class FusedLayer:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.groups = head.groups
         self.act = F.silu if head.config.hidden_act == "silu" else mlp.act_fn
-        self.rotary = head.rotary
-        # positions -> cos, sin: a table, except for rope types that rescale with the length
-        self.table = None if "dynamic" in str(head.rotary.rope_type) else (
-            torch.zeros(0, self.head_dim), torch.zeros(0, self.head_dim))
+        # positions [B, t], all below limit -> cos, sin [B, 1, t, d]
+        self.cos_sin = RotaryTable(head.rotary, self.head_dim)
 
     def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """LlamaRMSNorm: normalised in fp32, scaled by the weight in x's dtype."""
-        weight, eps = self.norms[name]
-        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-    def cos_sin(self, x: torch.Tensor, positions: torch.Tensor, limit: int):
-        """positions [B, t], all below limit -> cos, sin [B, 1, t, d] in x's dtype."""
-        if self.table is None:
-            cos, sin = self.rotary(x, positions)
-        else:
-            if limit > len(self.table[0]):  # at least double the table's positions
-                length = max(2 * len(self.table[0]), limit, 256)
-                every = torch.arange(length, device=x.device)[None]
-                self.table = tuple(t[0] for t in self.rotary(x.float(), every))
-            cos, sin = (t[positions] for t in self.table)
-        return cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        return rms_norm(x, *self.norms[name])
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 limit: int | None = None):

@@ -67,12 +67,26 @@ def test_what_a_kind_cannot_train_is_refused(overrides, message):
         check_train_config(TrainConfig(**overrides))
 
 
-@pytest.mark.parametrize("spec", ["prompt-lookup", "layer-truncated:1", "medusa:2x1"])
+@pytest.mark.parametrize("spec", ["prompt-lookup", "medusa:2x1"])
 def test_compiled_steps_are_refused_for_kinds_without_them(spec):
     from drafts import load_draft
     from tests.helpers import tiny_llama
 
-    assert [k.name for k in KINDS if k.compiled_steps] == ["eagle3"]
-    with pytest.raises(ConfigError, match="only eagle3 drafts run compiled: set "
+    assert [k.name for k in KINDS if k.compiled_steps] == ["eagle3", "independent"]
+    with pytest.raises(ConfigError, match="only eagle3, independent drafts run compiled: set "
                                           "eval.draft_compile=false"):
         load_draft(spec, tiny_llama(64), None, None, None, compile=True)
+
+
+def test_an_independent_draft_compiled_steps_cannot_run_is_refused_at_load():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from drafts import load_draft
+    from tests.helpers import tiny_llama
+
+    loaded = load_draft("layer-truncated:1", tiny_llama(64, layers=2), None, None, None,
+                        compile=True)
+    assert loaded.compile and loaded.name.endswith("compiled")
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2))
+    with pytest.raises(ConfigError, match="gpt2 model: set eval.draft_compile=false"):
+        load_draft("self", gpt2, None, None, None, compile=True)

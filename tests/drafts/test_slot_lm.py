@@ -1,0 +1,180 @@
+"""drafts/slot_lm.py: an independent draft's forward over a preallocated cache computes what the
+HF forward through decoding/kv.py computes, for the architectures it takes, and its greedy
+chains (eager here, compiled in the slow test) decode exactly the target's output."""
+
+import pytest
+import torch
+
+from decoding.engine import DecodeSettings, generate
+from decoding.int8 import int8_copy
+from decoding.kv import CachedLM
+from decoding.tree import ancestor_mask
+from drafts.independent import ModelDraft
+from drafts.slot_lm import FusedDecoder, SlotLM
+from recipe import ConfigError
+from tests.decoding.test_engine import _noisy_copy, _prompts, _with_vocabulary
+from tests.helpers import tiny_llama
+
+VOCAB, EOS = 256, 2
+
+
+def _qwen(family: str, seed: int = 0, **config):
+    """A tiny random Qwen2 (biased q/k/v) or Qwen3 (q/k norms per head), GQA, head_dim 16."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+                               eos_token_id=EOS, pad_token_id=0, **config)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # biases and norm weights away from their zero / one init
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+MODELS = {"llama": lambda: tiny_llama(VOCAB, seed=0, eos_token_id=EOS, pad_token_id=0),
+          "qwen2": lambda: _qwen("qwen2"), "qwen3": lambda: _qwen("qwen3")}
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+@pytest.mark.parametrize("vocabulary", [None, list(range(3, VOCAB, 2))])
+def test_slot_lm_computes_what_the_hf_forward_computes(family, vocabulary):
+    """Left-padded prefill, an extension with holes, rejected slots (cut and holes), a token
+    tree and its drop: SlotLM's logits equal CachedLM's (HF forward, DynamicCache) at every
+    real position, over the whole vocabulary or a draft vocabulary's rows."""
+    model = MODELS[family]()
+    ids_ = None if vocabulary is None else torch.tensor(vocabulary)
+    hf, slot = CachedLM(model, vocabulary=ids_), SlotLM(FusedDecoder(model, ids_))
+    _, ids, mask = _prompts([5, 17, 9])
+    g = torch.Generator().manual_seed(3)
+
+    def same(a, b, valid):
+        assert a.shape == b.shape
+        assert torch.allclose(a[valid], b[valid], atol=1e-5), (a[valid] - b[valid]).abs().max()
+
+    same(hf.prefill(ids, mask), slot.prefill(ids, mask), slice(None))
+    tokens = torch.randint(3, VOCAB, (3, 3), generator=g)
+    valid = torch.tensor([[True, False, True], [False, True, True], [True, True, True]])
+    same(hf.extend(tokens, valid), slot.extend(tokens, valid), valid)
+    for rejected in ([1, 0, 2], [1, 1, 1]):
+        hf.reject_last(torch.tensor(rejected))
+        slot.reject_last(torch.tensor(rejected))
+        tokens = torch.randint(3, VOCAB, (3, 2), generator=g)
+        valid = torch.ones(3, 2, dtype=torch.bool)
+        same(hf.extend(tokens, valid), slot.extend(tokens, valid), valid)
+    seen = ancestor_mask(torch.tensor([[-1, 0, 0, 1]] * 3))  # [B, N, N]
+    tokens = torch.randint(3, VOCAB, (3, 4), generator=g)
+    valid = torch.tensor([[True] * 4, [True] * 4, [True, True, False, False]])
+    same(hf.extend_tree(tokens, seen.sum(-1) - 1, seen, valid),
+         slot.extend_tree(tokens, seen.sum(-1) - 1, seen, valid), valid)
+    hf.drop_tree(4)
+    slot.drop_tree(4)
+    tokens = torch.randint(3, VOCAB, (3, 1), generator=g)
+    valid = torch.ones(3, 1, dtype=torch.bool)
+    same(hf.extend(tokens, valid), slot.extend(tokens, valid), valid)
+    assert torch.equal(hf.next_position, slot.next_position)
+
+
+def _draft(target):
+    """A noisy copy of the target with a draft vocabulary (right often, wrong sometimes)."""
+    return _with_vocabulary(target, _noisy_copy(target))
+
+
+@pytest.mark.parametrize("int8, k", [(False, 1), (False, 4), (True, 4)])
+def test_slot_lm_chains_decode_the_targets_output(int8, k):
+    """ModelDraft over SlotLM with its greedy chains run eager (the compiled functions' code):
+    the chains are the CachedLM draft's, token for token, and greedy output is the target's;
+    dynamic trees and sampled chains, run over the same cache, do as the CachedLM draft
+    does."""
+    target = MODELS["llama"]()
+    _, ids, mask = _prompts([5, 17, 9])
+    model = _draft(target)
+    if int8:
+        model = int8_copy(model)
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=32), {EOS}).tokens
+    runs = {}
+    for lm in ("cached", "slot"):
+        draft = ModelDraft(model, compile=lm == "slot")
+        if lm == "slot":
+            assert isinstance(draft.lm, SlotLM)
+            draft.lm.steps = None  # eager
+        chains, propose = [], draft.propose
+
+        def logged(*args, _propose=propose, _chains=chains, _draft=draft, **kwargs):
+            tokens, probs = _propose(*args, **kwargs)
+            _chains.append((tokens.clone(), _draft.draft_logits.clone()))
+            return tokens, probs
+
+        draft.propose = logged
+        out = generate(target, ids, mask, DecodeSettings(max_new_tokens=32, k=k), {EOS},
+                       draft)
+        assert out.tokens == plain, (lm, k)
+        runs[lm] = chains, sum(s.accepted for s in out.stats)
+        tree = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=k, tree=True,
+                                                          tree_nodes=6), {EOS}, draft)
+        assert tree.tokens == [row[:24] for row in plain], (lm, k, "tree")
+        runs[lm, "tree"] = sum(s.accepted for s in tree.stats)
+        sampled = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=k,
+                                                             temperature=1.0), {EOS}, draft,
+                           torch.Generator().manual_seed(0))
+        runs[lm, "sampled"] = sampled.tokens
+    assert runs["slot"][1] == runs["cached"][1] > 0
+    assert runs["slot", "tree"] == runs["cached", "tree"]
+    assert runs["slot", "sampled"] == runs["cached", "sampled"]
+    # int8 products take bf16 activations: a fused product may round them differently
+    atol = 5e-2 if int8 else 1e-4
+    for (tokens, logits), (hf_tokens, hf_logits) in zip(runs["slot"][0], runs["cached"][0]):
+        assert torch.equal(tokens, hf_tokens)
+        assert torch.allclose(logits, hf_logits, atol=atol)
+
+
+def test_slot_lm_refuses_what_it_cannot_run_exactly():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match="gpt2 model: set eval.draft_compile=false"):
+        FusedDecoder(gpt2)
+    sliding = _qwen("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(ConfigError, match="sliding window.*eval.draft_compile=false"):
+        FusedDecoder(sliding)
+
+
+@pytest.mark.slow  # inductor compiles a chain per k (~1 minute each on 2 CPU cores)
+def test_compiled_chains_draft_what_the_eager_draft_drafts():
+    """eval.draft_compile for an independent draft: greedy chains are one compiled call each
+    and propose what the CachedLM draft proposes (the same tokens, logits within rounding) over
+    left-padded rows (holes) and a row whose cache outgrows its first capacity; output stays
+    the target's; a later engine run reuses the compiled code."""
+    target = MODELS["llama"]()
+    _, ids, mask = _prompts([5, 120, 8])
+    model = _draft(target)
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=160), {EOS}).tokens
+    runs = {}
+    for compile in (False, True):
+        draft = ModelDraft(model, compile=compile)
+        chains, propose = [], draft.propose
+
+        def logged(*args, _propose=propose, _chains=chains, _draft=draft, **kwargs):
+            tokens, probs = _propose(*args, **kwargs)
+            _chains.append((tokens.clone(), _draft.draft_logits.clone()))
+            return tokens, probs
+
+        draft.propose = logged
+        for k in (3, 4):
+            out = generate(target, ids, mask, DecodeSettings(max_new_tokens=160, k=k), {EOS},
+                           draft)
+            assert out.tokens == plain, (compile, k)
+        runs[compile] = chains
+        if compile:
+            assert draft.lm.slots.capacity > 256  # the long row grew the cache
+            steps = draft.lm.steps
+            again = ModelDraft(model, compile=True)
+            generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), {EOS}, again)
+            assert again.lm.steps is steps
+    assert len(runs[True]) == len(runs[False]) > 10
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(runs[True], runs[False]):
+        assert torch.equal(tokens, eager_tokens)
+        assert torch.allclose(logits, eager_logits, atol=1e-4)
