@@ -347,8 +347,12 @@ class ModelDraft:
         self.lm.reject_last(fed - keep)
         pending = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         valid = ((index >= keep[:, None]) & (index < num_accepted[:, None])) | (index == k)
-        first = int(keep.min())  # columns no row feeds
-        self.pending, self.pending_valid = pending[:, first:], valid[:, first:]
+        # each row's tokens to feed right-aligned, in order (holes first; next_token last), so
+        # the next forward is as wide as the row that feeds most and leaves the fewest holes
+        order = valid.int().sort(dim=1, stable=True).indices  # [B, k+1]
+        width = int(valid.sum(1).max())
+        self.pending = pending.gather(1, order)[:, -width:]
+        self.pending_valid = valid.gather(1, order)[:, -width:]
 
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
