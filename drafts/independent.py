@@ -236,6 +236,16 @@ class DraftForTraining(LMHead, nn.Module):
 
 # --- serving -----------------------------------------------------------------------------------
 
+def right_aligned(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens to feed [B, t] (valid [B, t]; False = a hole) with each row's valid tokens moved
+    right, in order, and the columns no row feeds cut: the next forward is as wide as the row
+    that feeds most and leaves the fewest holes in the draft's cache (a row's last valid token
+    stays last)."""
+    order = valid.int().sort(dim=1, stable=True).indices  # [B, t] holes first
+    width = int(valid.sum(1).max())
+    return tokens.gather(1, order)[:, -width:], valid.gather(1, order)[:, -width:]
+
+
 class ModelDraft:
     """The engine's draft: the LM proposes k tokens one by one from its own KV cache. With a
     draft vocabulary (the model's config.draft_vocabulary) its head scores those tokens alone
@@ -347,12 +357,7 @@ class ModelDraft:
         self.lm.reject_last(fed - keep)
         pending = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         valid = ((index >= keep[:, None]) & (index < num_accepted[:, None])) | (index == k)
-        # each row's tokens to feed right-aligned, in order (holes first; next_token last), so
-        # the next forward is as wide as the row that feeds most and leaves the fewest holes
-        order = valid.int().sort(dim=1, stable=True).indices  # [B, k+1]
-        width = int(valid.sum(1).max())
-        self.pending = pending.gather(1, order)[:, -width:]
-        self.pending_valid = valid.gather(1, order)[:, -width:]
+        self.pending, self.pending_valid = right_aligned(pending, valid)
 
 
 _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -360,7 +365,8 @@ _compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 loaded draft reuses the compiled code (a compilation takes tens of seconds)."""
 
 
-def compiled_lm(model, vocabulary: torch.Tensor | None) -> SlotLM:
+def compiled_lm(model, vocabulary: torch.Tensor | None,
+                what: str = "the independent draft's") -> SlotLM:
     """A SlotLM of the model with compiled greedy chains, made again when its weights
     changed."""
     made_from = (None if vocabulary is None else tuple(vocabulary.tolist()),
@@ -369,8 +375,7 @@ def compiled_lm(model, vocabulary: torch.Tensor | None) -> SlotLM:
     kept = _compiled.get(model)
     if kept is None or kept[0] != made_from:
         decoder = FusedDecoder(model, vocabulary)
-        kept = made_from, decoder, CompiledSteps(decoder.final[0].device,
-                                                 "the independent draft's")
+        kept = made_from, decoder, CompiledSteps(decoder.final[0].device, what)
         _compiled[model] = kept
     return SlotLM(kept[1], kept[2])
 

@@ -26,8 +26,10 @@ from drafts.folders import read_config
 from drafts.independent import (
     Independent,
     LMHead,
+    compiled_lm,
     draft_vocabulary,
     pretrained_draft,
+    right_aligned,
 )
 from drafts.kind import (
     LoadedDraft,
@@ -37,6 +39,7 @@ from drafts.kind import (
     check_blocks,
 )
 from drafts.parallel import block_plan, check_mask_token, pard_layout, resolve_mask_token
+from drafts.slot_lm import check_slot_lm
 from recipe import ConfigError, TrainConfig
 
 PREFIX = "pard:"
@@ -85,8 +88,10 @@ class ParallelModelDraft:
     uses_target_hidden = False
     failures, propose_tree = None, None
 
-    def __init__(self, model, mask_id: int, name: str = "pard"):
-        self.model, self.mask_id, self.name = model, mask_id, name
+    def __init__(self, model, mask_id: int, name: str = "pard", compile: bool = False):
+        self.model, self.mask_id, self.name, self.compile = model, mask_id, name, compile
+        if compile:
+            check_slot_lm(model)  # refused before any generation
         self.vocabulary = draft_vocabulary(model)  # its head scores these alone, if any
         self.draft_logits = None  # [B, k, V or Vd] behind the last proposal
 
@@ -98,8 +103,10 @@ class ParallelModelDraft:
         return self.vocabulary.logits(self.draft_logits)
 
     def start(self, input_ids, attention_mask, first_token, target_hidden=None):
-        self.lm = CachedLM(self.model, vocabulary=None if self.vocabulary is None
-                           else self.vocabulary.ids)
+        ids = None if self.vocabulary is None else self.vocabulary.ids
+        # compiled: drafts/slot_lm.py, its extension (pending tokens and masks) one compiled call
+        self.lm = compiled_lm(self.model, ids, "the PARD draft's") if self.compile \
+            else CachedLM(self.model, vocabulary=ids)
         self.lm.prefill(input_ids, attention_mask)
         self.pending = first_token[:, None]  # [B, w]: fed before the masks
         self.pending_valid = torch.ones_like(self.pending, dtype=torch.bool)
@@ -122,9 +129,10 @@ class ParallelModelDraft:
         ones as holes)."""
         k = self.tokens.shape[1]
         accepted = self.tokens if path is None else path  # [B, k]
-        self.pending = torch.cat([accepted, next_token[:, None]], 1)  # [B, k+1]
         index = torch.arange(k + 1, device=next_token.device)[None]
-        self.pending_valid = (index < num_accepted[:, None]) | (index == k)
+        self.pending, self.pending_valid = right_aligned(
+            torch.cat([accepted, next_token[:, None]], 1),  # [B, k+1]
+            (index < num_accepted[:, None]) | (index == k))
 
 
 class Pard:
@@ -136,7 +144,7 @@ class Pard:
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
     int8_weights = True
-    compiled_steps = False
+    compiled_steps = True
 
     def claims(self, spec: str) -> bool:
         return spec.startswith(PREFIX)
@@ -199,7 +207,8 @@ class Pard:
         return dataclasses.replace(loaded, model=int8_copy(loaded.model))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ParallelModelDraft:
-        return ParallelModelDraft(loaded.model, loaded.model.config.pard_token, name)
+        return ParallelModelDraft(loaded.model, loaded.model.config.pard_token, name,
+                                  loaded.compile)
 
     def check_export(self, draft_folder, k, target_shape) -> None:
         Independent().check_export(draft_folder, k, target_shape)

@@ -143,6 +143,12 @@ def visible(mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return (before[None] & mask[:, None, :]) | (every[None, :] == slots[:, None])[None]
 
 
+def _dynamic_width(tokens, valid, cos, sin) -> None:
+    """tokens, valid [B, t] and rotary cos, sin [B, 1, t, d]: t a dynamic dimension."""
+    for tensor, dim in ((tokens, 1), (valid, 1), (cos, 2), (sin, 2)):
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 class SlotLM:
     """CachedLM's interface over a FusedDecoder and a SlotKV cache: the slot mask with holes,
     each row's next position [B]; logits over the draft vocabulary when the decoder has one.
@@ -174,6 +180,15 @@ class SlotLM:
         slots, t = self.slots, tokens.shape[1]
         start = slots.length
         slots.reserve(t)
+        if seen is None and not last_only and self.steps is not None:  # extend, compiled
+            cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, start + t)
+            if "extend" not in self.steps:
+                self.steps.add("extend", self._extend)
+            _dynamic_width(tokens, valid, cos, sin)  # t varies step to step
+            logits = self.steps("extend", tokens, valid, *self._buffers(), self._slot(start),
+                                cos, sin)
+            slots.length += t
+            return logits
         slots.length += t
         keys = [slots.keys(i) for i in range(len(self.decoder.layers))]  # views [.., end, d]
         values = [slots.values(i) for i in range(len(self.decoder.layers))]
@@ -188,6 +203,27 @@ class SlotLM:
         cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, slots.length)
         hidden = self.decoder.forward(tokens, cos, sin, keys, values, index, allowed)
         return self.decoder.logits(hidden[:, -1:] if last_only else hidden)
+
+    def _extend(self, tokens, valid, keys, values, mask, start, cos, sin):
+        """_run's static form for an extension: tokens [B, t] (valid [B, t]) enter slots
+        start .. start + t - 1 of the whole buffers -> logits [B, t, V or Vd]."""
+        index = start + torch.arange(tokens.shape[1], device=tokens.device)  # [t]
+        mask.index_copy_(1, index, valid)
+        return self.decoder.logits(self.decoder.forward(tokens, cos, sin, keys, values, index,
+                                                        visible(mask, index)))
+
+    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The cache's whole buffers (keys, values per layer, the slot mask), their capacity
+        a dynamic dimension of the compiled functions."""
+        keys = [self.slots.buffers(i)[0] for i in range(len(self.decoder.layers))]
+        values = [self.slots.buffers(i)[1] for i in range(len(self.decoder.layers))]
+        mask = self.slots.buffers()[2]
+        mark_capacity_dynamic(keys, values, mask)
+        return keys, values, mask
+
+    @staticmethod
+    def _slot(index: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(index, dtype=torch.long, device=like.device)
 
     @torch.no_grad()
     def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -237,20 +273,15 @@ class SlotLM:
         drafted = after[:, None] + torch.arange(k - 1, device=tokens.device)  # [B, k - 1]
         cos, sin = self.decoder.cos_sin(self.decoder.final[0], torch.cat([pending, drafted], 1),
                                         slots.length + width + k)
-        keys = [slots.buffers(i)[0] for i in range(len(self.decoder.layers))]
-        values = [slots.buffers(i)[1] for i in range(len(self.decoder.layers))]
-        mask = slots.buffers()[2]
-        start = torch.tensor(slots.length, dtype=torch.long, device=tokens.device)
-        args = (tokens, valid.bool(), ids, keys, values, mask, start, cos, sin)
+        args = (tokens, valid.bool(), ids, *self._buffers(), self._slot(slots.length, tokens),
+                cos, sin)
         if self.steps is None:
             out = self._chain(k)(*args)
         else:
             name = f"chain {k}"
             if name not in self.steps:
                 self.steps.add(name, self._chain(k))
-            mark_capacity_dynamic(keys, values, mask)
-            for tensor in (tokens, args[1], cos, sin):  # the pending width varies step to step
-                torch._dynamo.maybe_mark_dynamic(tensor, 1 if tensor.dim() == 2 else 2)
+            _dynamic_width(tokens, args[1], cos, sin)  # the pending width varies
             out = self.steps(name, *args)
         slots.length += width + k - 1
         self.next_position = after + k - 1

@@ -72,8 +72,8 @@ def test_compiled_steps_are_refused_for_kinds_without_them(spec):
     from drafts import load_draft
     from tests.helpers import tiny_llama
 
-    assert [k.name for k in KINDS if k.compiled_steps] == ["eagle3", "independent"]
-    with pytest.raises(ConfigError, match="only eagle3, independent drafts run compiled: set "
+    assert [k.name for k in KINDS if k.compiled_steps] == ["eagle3", "pard", "independent"]
+    with pytest.raises(ConfigError, match="only eagle3, pard, independent drafts run compiled: set "
                                           "eval.draft_compile=false"):
         load_draft(spec, tiny_llama(64), None, None, None, compile=True)
 

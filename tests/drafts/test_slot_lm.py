@@ -10,6 +10,7 @@ from decoding.int8 import int8_copy
 from decoding.kv import CachedLM
 from decoding.tree import ancestor_mask
 from drafts.independent import ModelDraft
+from drafts.pard import ParallelModelDraft
 from drafts.slot_lm import FusedDecoder, SlotLM
 from recipe import ConfigError
 from tests.decoding.test_engine import _noisy_copy, _prompts, _with_vocabulary
@@ -131,6 +132,42 @@ def test_slot_lm_chains_decode_the_targets_output(int8, k):
         assert torch.allclose(logits, hf_logits, atol=atol)
 
 
+def _pard_chains(target, model, compile: bool | None, k: int = 4):
+    """A PARD draft (mask id 7) over CachedLM (compile False), SlotLM run eager (None) or
+    compiled (True) -> its greedy output on three left-padded prompts and its chains."""
+    _, ids, mask = _prompts([5, 17, 9])
+    draft = ParallelModelDraft(model, 7, compile=bool(compile))
+    chains, propose, start = [], draft.propose, draft.start
+
+    def logged(*args, **kwargs):
+        tokens, probs = propose(*args, **kwargs)
+        chains.append((tokens.clone(), draft.draft_logits.clone()))
+        return tokens, probs
+
+    def eager(*args, **kwargs):
+        start(*args, **kwargs)
+        draft.lm.steps = None
+
+    draft.propose = logged
+    if compile is None:
+        draft.start = eager
+    out = generate(target, ids, mask, DecodeSettings(max_new_tokens=32, k=k), {EOS}, draft)
+    return out.tokens, chains
+
+
+def test_pard_drafts_over_a_slot_lm_propose_what_they_propose_over_hf():
+    target = MODELS["llama"]()
+    _, ids, mask = _prompts([5, 17, 9])
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=32), {EOS}).tokens
+    model = _noisy_copy(target)
+    cached, slot = _pard_chains(target, model, False), _pard_chains(target, model, None)
+    assert cached[0] == slot[0] == plain
+    assert len(cached[1]) == len(slot[1]) > 5
+    for (tokens, logits), (hf_tokens, hf_logits) in zip(slot[1], cached[1]):
+        assert torch.equal(tokens, hf_tokens)
+        assert torch.allclose(logits, hf_logits, atol=1e-4)
+
+
 def test_slot_lm_refuses_what_it_cannot_run_exactly():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -147,7 +184,8 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
     """eval.draft_compile for an independent draft: greedy chains are one compiled call each
     and propose what the CachedLM draft proposes (the same tokens, logits within rounding) over
     left-padded rows (holes) and a row whose cache outgrows its first capacity; output stays
-    the target's; a later engine run reuses the compiled code."""
+    the target's; a later engine run reuses the compiled code. The same for a PARD draft's
+    compiled extension."""
     target = MODELS["llama"]()
     _, ids, mask = _prompts([5, 120, 8])
     model = _draft(target)
@@ -176,5 +214,12 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
             assert again.lm.steps is steps
     assert len(runs[True]) == len(runs[False]) > 10
     for (tokens, logits), (eager_tokens, eager_logits) in zip(runs[True], runs[False]):
+        assert torch.equal(tokens, eager_tokens)
+        assert torch.allclose(logits, eager_logits, atol=1e-4)
+    # a PARD draft: its extension (pending tokens and masks) is one compiled call
+    cached, compiled = _pard_chains(target, model, False), _pard_chains(target, model, True)
+    assert cached[0] == compiled[0]
+    assert len(cached[1]) == len(compiled[1]) > 5
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(compiled[1], cached[1]):
         assert torch.equal(tokens, eager_tokens)
         assert torch.allclose(logits, eager_logits, atol=1e-4)
