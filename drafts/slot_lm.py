@@ -185,8 +185,8 @@ class SlotLM:
             if "extend" not in self.steps:
                 self.steps.add("extend", self._extend)
             _dynamic_width(tokens, valid, cos, sin)  # t varies step to step
-            logits = self.steps("extend", tokens, valid, *self._buffers(), self._slot(start),
-                                cos, sin)
+            logits = self.steps("extend", tokens, valid, *self._buffers(),
+                                self._slot(start, tokens), cos, sin)
             slots.length += t
             return logits
         slots.length += t
