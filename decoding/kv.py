@@ -78,13 +78,14 @@ class CachedLM:
         return self.head(hidden)
 
     @torch.no_grad()
-    def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits [B, t, V]
-        (or [B, t, Vd] with a vocabulary)."""
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor,
+               last_only: bool = False) -> torch.Tensor:
+        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits
+        [B, t (1 if last_only), V] (or Vd with a vocabulary)."""
         valid = valid.long()
         positions = self.next_position[:, None] + (valid.cumsum(1) - valid)  # [B, t]
         self.mask = torch.cat([self.mask, valid], dim=1)
-        logits = self._forward(tokens, self.mask, positions)
+        logits = self._forward(tokens, self.mask, positions, last_only)
         self.next_position = self.next_position + valid.sum(1)
         return logits
 

@@ -249,22 +249,16 @@ def right_aligned(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
 class ModelDraft:
     """The engine's draft: the LM proposes k tokens one by one from its own KV cache. With a
     draft vocabulary (the model's config.draft_vocabulary) its head scores those tokens alone
-    and q is zero elsewhere. compile: the LM runs as drafts.slot_lm.SlotLM, its greedy chains
-    one compiled call each (sampled chains and trees eager, over the same cache)."""
+    and q is zero elsewhere. compile: the LM runs as drafts.slot_lm.SlotLM, each forward of a
+    chain one compiled call (trees eager, over the same cache)."""
 
     uses_target_hidden = False
 
     def __init__(self, model, name: str = "draft", compile: bool = False):
         self.vocabulary = draft_vocabulary(model)
         ids = None if self.vocabulary is None else self.vocabulary.ids
-        self.compile, self.name = compile, name
-        if compile:
-            self.lm = compiled_lm(model, ids)
-            size = self.lm.decoder.vocab_size
-            self.ids = torch.arange(size, device=self.lm.decoder.final[0].device) \
-                if ids is None else ids  # [Vd] the target id of each logit's column
-        else:
-            self.lm = CachedLM(model, vocabulary=ids)
+        self.name = name
+        self.lm = compiled_lm(model, ids) if compile else CachedLM(model, vocabulary=ids)
         self.failures = None  # [B] bool: rows whose draft produced non-finite logits
         self.draft_logits = None  # [B, k, V or Vd] behind the last chain
 
@@ -285,15 +279,7 @@ class ModelDraft:
         self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
 
     def propose(self, k, sampling, history, generator=None):
-        if self.compile and sampling.temperature == 0:
-            self.tokens, self.draft_logits = self.lm.greedy_chain(self.pending, self.pending_valid,
-                                                                  k, self.ids)
-            self.failures |= ~torch.isfinite(self.draft_logits).all(-1).all(-1)
-            self.fed = k - 1
-            probs = torch.zeros(*self.tokens.shape, self.lm.decoder.vocab_size,
-                                device=self.tokens.device)  # one-hot q: greedy drafting
-            return self.tokens, probs.scatter_(-1, self.tokens[..., None], 1.0)
-        logits = self.lm.extend(self.pending, self.pending_valid)[:, -1]  # [B, V]
+        logits = self.lm.extend(self.pending, self.pending_valid, last_only=True)[:, -1]  # [B, V]
         tokens, probs, scores = [], [], []
         for i in range(k):
             q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
@@ -308,8 +294,8 @@ class ModelDraft:
             probs.append(q)
             scores.append(logits)
             if i < k - 1:
-                logits = self.lm.extend(token[:, None], torch.ones_like(token[:, None],
-                                                                         dtype=torch.bool))[:, -1]
+                logits = self.lm.extend(token[:, None], torch.ones_like(
+                    token[:, None], dtype=torch.bool), last_only=True)[:, -1]
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.draft_logits = torch.stack(scores, 1)  # [B, k, V or Vd]
         self.fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
@@ -323,7 +309,8 @@ class ModelDraft:
         every node expanded so far and the frontier, with the tree mask (each sees the cache and
         its ancestors), whose slots are dropped again; the pending tokens stay in the cache.
         Deterministic: every candidate is verified as a fixed one, so sampling stays lossless."""
-        root = self._full(self.lm.extend(self.pending, self.pending_valid)[:, -1])  # [B, V]
+        root = self._full(self.lm.extend(self.pending, self.pending_valid,
+                                         last_only=True)[:, -1])  # [B, V]
         batch, device = root.shape[0], root.device
         self.pending = torch.zeros(batch, 0, dtype=torch.long, device=device)
         self.pending_valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)

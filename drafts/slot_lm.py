@@ -1,18 +1,19 @@
-"""A Llama-family draft LM over a preallocated cache, with greedy chains compiled
-(eval.draft_compile for independent drafts).
+"""A Llama-family draft LM over a preallocated cache, its forward compiled
+(eval.draft_compile for independent and PARD drafts).
 
 decoding/kv.py's CachedLM runs an HF model through its forward: per drafted token the mask
 building, cache objects and hundreds of small operator calls of six decoder layers cost more
 than their products on a CPU. SlotLM runs the same arithmetic on the model's own weights, fused
 (q/k/v one product, gate and up one, norms torch's rms_norm, rotary from a table), over a
 drafts.slots.SlotKV cache, with CachedLM's interface (prefill, extend, reject_last,
-extend_tree, drop_tree) so that drafts.independent.ModelDraft runs either. Its greedy chain
-(the pending tokens, then k - 1 drafted tokens fed back) is one torch.compile'd call per k
-that sees the cache as its whole buffers (slots in use passed as a tensor, capacity a dynamic
-dimension, slots written in place). Sampled chains, trees and prefill run the same functions
-eager. Inductor may fuse and round differently from eager, so a compiled chain can draft
-another token in a near tie; verification reads the draft's own logits as they are, so
-decoding stays lossless either way.
+extend_tree, drop_tree) so that the independent and PARD drafts run either. With CompiledSteps,
+prefill and every extension are one torch.compile'd call that sees the cache as its whole
+buffers (the first slot written passed as a tensor, the capacity and the number of tokens
+dynamic dimensions, slots written in place), so that two or three compilations serve every
+step of every k: a chain of k is k calls, the tokens chosen between them eager. Trees run the
+same functions eager. Inductor may fuse and round differently from eager, so a compiled draft
+can propose another token in a near tie; verification reads the draft's own logits as they
+are, so decoding stays lossless either way.
 
 Architectures: Llama, Qwen2, Qwen3 (its q/k norms) and Mistral without a sliding window, the
 families whose decoder layer is RMSNorm, rotary GQA attention and a gated MLP; others, and any
@@ -20,6 +21,8 @@ sliding-window attention, are refused with the fix (eval.draft_compile=false).
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -152,7 +155,8 @@ def _dynamic_width(tokens, valid, cos, sin) -> None:
 class SlotLM:
     """CachedLM's interface over a FusedDecoder and a SlotKV cache: the slot mask with holes,
     each row's next position [B]; logits over the draft vocabulary when the decoder has one.
-    steps: CompiledSteps for greedy_chain (None: it runs eager)."""
+    steps: CompiledSteps that run prefill and extend, each one compiled call (None: eager);
+    trees run eager."""
 
     def __init__(self, decoder: FusedDecoder, steps: CompiledSteps | None = None):
         self.decoder, self.steps = decoder, steps
@@ -180,13 +184,14 @@ class SlotLM:
         slots, t = self.slots, tokens.shape[1]
         start = slots.length
         slots.reserve(t)
-        if seen is None and not last_only and self.steps is not None:  # extend, compiled
+        if seen is None and self.steps is not None:  # compiled: one call
             cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, start + t)
-            if "extend" not in self.steps:
-                self.steps.add("extend", self._extend)
-            _dynamic_width(tokens, valid, cos, sin)  # t varies step to step
-            logits = self.steps("extend", tokens, valid, *self._buffers(),
-                                self._slot(start, tokens), cos, sin)
+            name = "extend, last logits" if last_only else "extend"
+            if name not in self.steps:
+                self.steps.add(name, partial(self._extend, last_only=last_only))
+            _dynamic_width(tokens, valid, cos, sin)  # t varies call to call
+            logits = self.steps(name, tokens, valid, *self._buffers(), self._slot(start, tokens),
+                                cos, sin)
             slots.length += t
             return logits
         slots.length += t
@@ -204,13 +209,13 @@ class SlotLM:
         hidden = self.decoder.forward(tokens, cos, sin, keys, values, index, allowed)
         return self.decoder.logits(hidden[:, -1:] if last_only else hidden)
 
-    def _extend(self, tokens, valid, keys, values, mask, start, cos, sin):
-        """_run's static form for an extension: tokens [B, t] (valid [B, t]) enter slots
-        start .. start + t - 1 of the whole buffers -> logits [B, t, V or Vd]."""
+    def _extend(self, tokens, valid, keys, values, mask, start, cos, sin, last_only: bool):
+        """_run's static form: tokens [B, t] (valid [B, t]) enter slots start .. start + t - 1
+        of the whole buffers -> logits [B, t (1 if last_only), V or Vd]."""
         index = start + torch.arange(tokens.shape[1], device=tokens.device)  # [t]
         mask.index_copy_(1, index, valid)
-        return self.decoder.logits(self.decoder.forward(tokens, cos, sin, keys, values, index,
-                                                        visible(mask, index)))
+        hidden = self.decoder.forward(tokens, cos, sin, keys, values, index, visible(mask, index))
+        return self.decoder.logits(hidden[:, -1:] if last_only else hidden)
 
     def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The cache's whole buffers (keys, values per layer, the slot mask), their capacity
@@ -226,11 +231,13 @@ class SlotLM:
         return torch.tensor(index, dtype=torch.long, device=like.device)
 
     @torch.no_grad()
-    def extend(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits [B, t, V]."""
+    def extend(self, tokens: torch.Tensor, valid: torch.Tensor,
+               last_only: bool = False) -> torch.Tensor:
+        """Append slots: tokens [B, t], valid bool [B, t] (False = a hole) -> logits
+        [B, t (1 if last_only), V]."""
         steps = valid.long()
         positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
-        logits = self._run(tokens, positions, valid.bool())
+        logits = self._run(tokens, positions, valid.bool(), last_only=last_only)
         self.next_position = self.next_position + steps.sum(1)
         return logits
 
@@ -258,60 +265,3 @@ class SlotLM:
 
     def drop_tree(self, size: int) -> None:
         self.slots.crop(size)
-
-    @torch.no_grad()
-    def greedy_chain(self, tokens: torch.Tensor, valid: torch.Tensor, k: int,
-                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pending tokens [B, w] (valid [B, w]) enter the cache, then k greedy tokens are
-        drafted from them, the first k - 1 fed back; ids [Vd]: the target id of each logit's
-        column -> tokens [B, k] (target ids), logits [B, k, V or Vd]."""
-        slots, width = self.slots, tokens.shape[1]
-        slots.reserve(width + k - 1)
-        steps = valid.long()
-        pending = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, w]
-        after = self.next_position + steps.sum(1)  # [B]
-        drafted = after[:, None] + torch.arange(k - 1, device=tokens.device)  # [B, k - 1]
-        cos, sin = self.decoder.cos_sin(self.decoder.final[0], torch.cat([pending, drafted], 1),
-                                        slots.length + width + k)
-        args = (tokens, valid.bool(), ids, *self._buffers(), self._slot(slots.length, tokens),
-                cos, sin)
-        if self.steps is None:
-            out = self._chain(k)(*args)
-        else:
-            name = f"chain {k}"
-            if name not in self.steps:
-                self.steps.add(name, self._chain(k))
-            _dynamic_width(tokens, args[1], cos, sin)  # the pending width varies
-            out = self.steps(name, *args)
-        slots.length += width + k - 1
-        self.next_position = after + k - 1
-        return out
-
-    def _chain(self, k: int):
-        """greedy_chain's static form, k a constant of its code."""
-        decoder = self.decoder
-
-        def chain(tokens, valid, ids, keys, values, mask, start, cos, sin):
-            width = tokens.shape[1]
-            index = start + torch.arange(width, device=tokens.device)  # [w]
-            mask.index_copy_(1, index, valid)
-            hidden = decoder.forward(tokens, cos[:, :, :width], sin[:, :, :width], keys, values,
-                                     index, visible(mask, index))[:, -1]  # [B, H]
-            drafted, logits = [], []
-            for i in range(k):
-                scores = decoder.logits(hidden)  # [B, Vd]
-                token = ids[scores.argmax(-1)]  # [B] target ids
-                drafted.append(token)
-                logits.append(scores)
-                if i == k - 1:
-                    break
-                slot = (start + width + i)[None]  # [1]
-                ones = valid.new_ones(len(token), 1)
-                mask.index_copy_(1, slot, ones)
-                at = width + i
-                hidden = decoder.forward(token[:, None], cos[:, :, at:at + 1],
-                                         sin[:, :, at:at + 1], keys, values, slot,
-                                         visible(mask, slot))[:, 0]
-            return torch.stack(drafted, 1), torch.stack(logits, 1)
-
-        return chain
