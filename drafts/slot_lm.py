@@ -189,6 +189,9 @@ class SlotLM:
             name = "extend, last logits" if last_only else "extend"
             if name not in self.steps:
                 self.steps.add(name, partial(self._extend, last_only=last_only))
+            # fresh strides: a [B, 1] slice of a wider tensor would recompile on its stride
+            tokens, valid = (x.clone(memory_format=torch.contiguous_format)
+                             for x in (tokens, valid))
             _dynamic_width(tokens, valid, cos, sin)  # t varies call to call
             logits = self.steps(name, tokens, valid, *self._buffers(), self._slot(start, tokens),
                                 cos, sin)
