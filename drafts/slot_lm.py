@@ -179,36 +179,32 @@ class SlotLM:
 
     def _run(self, tokens, positions, valid, seen=None, last_only=False) -> torch.Tensor:
         """tokens [B, t] at positions [B, t] into the next t slots (valid [B, t]); each sees
-        the kept slots before it and itself, or with seen [B, t, t] (a tree) the cache's kept
-        slots and the tree's nodes it sees -> logits [B, t (1 if last_only), V]."""
+        the kept slots before it and itself (_extend, compiled with steps), or with seen
+        [B, t, t] (a tree, eager) the cache's kept slots and the tree's nodes it sees -> logits
+        [B, t (1 if last_only), V]."""
         slots, t = self.slots, tokens.shape[1]
         start = slots.length
         slots.reserve(t)
-        if seen is None and self.steps is not None:  # compiled: one call
-            cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, start + t)
-            name = "extend, last logits" if last_only else "extend"
-            if name not in self.steps:
-                self.steps.add(name, partial(self._extend, last_only=last_only))
+        slots.length += t
+        cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, slots.length)
+        if seen is None:
             # fresh strides: a [B, 1] slice of a wider tensor would recompile on its stride
             tokens, valid = (x.clone(memory_format=torch.contiguous_format)
                              for x in (tokens, valid))
+            args = (tokens, valid, *self._buffers(), self._slot(start, tokens), cos, sin)
+            if self.steps is None:
+                return self._extend(*args, last_only=last_only)
+            name = "extend, last logits" if last_only else "extend"
+            if name not in self.steps:
+                self.steps.add(name, partial(self._extend, last_only=last_only))
             _dynamic_width(tokens, valid, cos, sin)  # t varies call to call
-            logits = self.steps(name, tokens, valid, *self._buffers(), self._slot(start, tokens),
-                                cos, sin)
-            slots.length += t
-            return logits
-        slots.length += t
+            return self.steps(name, *args)
         keys = [slots.keys(i) for i in range(len(self.decoder.layers))]  # views [.., end, d]
         values = [slots.values(i) for i in range(len(self.decoder.layers))]
         index = start + torch.arange(t, device=tokens.device)  # [t]
         slots.mask[:, start:] = valid
-        if seen is None:
-            allowed = visible(slots.mask, index)
-        else:
-            batch = tokens.shape[0]
-            old = slots.mask[:, None, :start].expand(batch, t, start)
-            allowed = torch.cat([old, seen], dim=2)  # [B, t, end]
-        cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, slots.length)
+        batch = tokens.shape[0]
+        allowed = torch.cat([slots.mask[:, None, :start].expand(batch, t, start), seen], dim=2)
         hidden = self.decoder.forward(tokens, cos, sin, keys, values, index, allowed)
         return self.decoder.logits(hidden[:, -1:] if last_only else hidden)
 
