@@ -379,12 +379,12 @@ class EvalConfig(DecodeSettings):
     draft_compile: bool = False
     """Run the draft's steps compiled (torch.compile; inductor's C++ wrapper on a CPU): an
     EAGLE-3 head's greedy chains and its settling after each verification
-    (drafts/eagle3/compiled.py), an independent draft's greedy chains and a PARD draft's
-    forward over its masks (Llama, Qwen2, Qwen3 and Mistral drafts without a sliding window:
-    drafts/slot_lm.py), which cuts the per-operator overhead of a step
+    (drafts/eagle3/compiled.py), every forward of an independent draft's chains and a PARD
+    draft's forward over its masks (Llama, Qwen2, Qwen3 and Mistral drafts without a sliding
+    window: drafts/slot_lm.py), which cuts the per-operator overhead of a step
     (docs/scaling-and-hardware.md). The first steps of a run compile (tens of seconds on a
-    CPU, again for a new batch size or chunk length); EAGLE-3 and independent drafts' sampled
-    chains and trees run eager."""
+    CPU, again for a new batch size or chunk length); trees, and an EAGLE-3 head's sampled
+    chains, run eager."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
