@@ -1,6 +1,6 @@
 """drafts/slot_lm.py: an independent draft's forward over a preallocated cache computes what the
-HF forward through decoding/kv.py computes, for the architectures it takes, and its greedy
-chains (eager here, compiled in the slow test) decode exactly the target's output."""
+HF forward through decoding/kv.py computes, for the architectures it takes, and its chains
+(eager here, compiled in the slow test) decode exactly the target's output."""
 
 import pytest
 import torch
@@ -181,8 +181,8 @@ def test_slot_lm_refuses_what_it_cannot_run_exactly():
 
 @pytest.mark.slow  # inductor compiles a chain and PARD's extension (minutes on 2 CPU cores)
 def test_compiled_chains_draft_what_the_eager_draft_drafts():
-    """eval.draft_compile for an independent draft: greedy chains are one compiled call each
-    and propose what the CachedLM draft proposes (the same tokens, logits within rounding) over
+    """eval.draft_compile for an independent draft: each forward of a chain is one compiled
+    call, and the chains propose what the CachedLM draft proposes (the same tokens, logits within rounding) over
     left-padded rows (holes) and a row whose cache outgrows its first capacity; output stays
     the target's; a later engine run reuses the compiled code. The same for a PARD draft's
     compiled extension."""
