@@ -221,13 +221,13 @@ def test_a_compiled_step_that_cannot_compile_names_the_fix(target, tmp_path, mon
     import torch._inductor.config as inductor
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled before
-    monkeypatch.setattr(inductor, "fx_graph_cache", False)
-    monkeypatch.setattr(inductor.cpp, "cxx", ("no-such-c++-compiler",))
     _, ids, mask = _prompts([6])
     draft = Eagle3Draft(_head(target, draft_size=120), target.get_input_embeddings(),
                         compile=True, layers={})
-    with pytest.raises(ConfigError, match="torch.compile could not compile .* set "
-                                          "eval.draft_compile=false"):
+    # inductor's own patching: its config module is restored whole for later compilations
+    with inductor.patch({"fx_graph_cache": False, "cpp.cxx": ("no-such-c++-compiler",)}), \
+            pytest.raises(ConfigError, match="torch.compile could not compile .* set "
+                                             "eval.draft_compile=false"):
         generate(target, ids, mask, DecodeSettings(max_new_tokens=8, k=3), set(), draft)
 
 
