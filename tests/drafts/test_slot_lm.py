@@ -79,6 +79,19 @@ def test_slot_lm_computes_what_the_hf_forward_computes(family, vocabulary):
     assert torch.equal(hf.next_position, slot.next_position)
 
 
+def logged_chains(draft) -> list:
+    """The (tokens, draft logits) of every chain the draft proposes from now on."""
+    chains, propose = [], draft.propose
+
+    def logged(*args, **kwargs):
+        tokens, probs = propose(*args, **kwargs)
+        chains.append((tokens.clone(), draft.draft_logits.clone()))
+        return tokens, probs
+
+    draft.propose = logged
+    return chains
+
+
 def _draft(target):
     """A noisy copy of the target with a draft vocabulary (right often, wrong sometimes)."""
     return _with_vocabulary(target, _noisy_copy(target))
@@ -102,14 +115,7 @@ def test_slot_lm_chains_decode_the_targets_output(int8, k):
         if lm == "slot":
             assert isinstance(draft.lm, SlotLM)
             draft.lm.steps = None  # eager
-        chains, propose = [], draft.propose
-
-        def logged(*args, _propose=propose, _chains=chains, _draft=draft, **kwargs):
-            tokens, probs = _propose(*args, **kwargs)
-            _chains.append((tokens.clone(), _draft.draft_logits.clone()))
-            return tokens, probs
-
-        draft.propose = logged
+        chains = logged_chains(draft)
         out = generate(target, ids, mask, DecodeSettings(max_new_tokens=32, k=k), {EOS},
                        draft)
         assert out.tokens == plain, (lm, k)
@@ -137,18 +143,12 @@ def _pard_chains(target, model, compile: bool | None, k: int = 4):
     compiled (True) -> its greedy output on three left-padded prompts and its chains."""
     _, ids, mask = _prompts([5, 17, 9])
     draft = ParallelModelDraft(model, 7, compile=bool(compile))
-    chains, propose, start = [], draft.propose, draft.start
-
-    def logged(*args, **kwargs):
-        tokens, probs = propose(*args, **kwargs)
-        chains.append((tokens.clone(), draft.draft_logits.clone()))
-        return tokens, probs
+    chains, start = logged_chains(draft), draft.start
 
     def eager(*args, **kwargs):
         start(*args, **kwargs)
         draft.lm.steps = None
 
-    draft.propose = logged
     if compile is None:
         draft.start = eager
     out = generate(target, ids, mask, DecodeSettings(max_new_tokens=32, k=k), {EOS}, draft)
@@ -182,10 +182,10 @@ def test_slot_lm_refuses_what_it_cannot_run_exactly():
 @pytest.mark.slow  # inductor compiles a chain and PARD's extension (minutes on 2 CPU cores)
 def test_compiled_chains_draft_what_the_eager_draft_drafts():
     """eval.draft_compile for an independent draft: each forward of a chain is one compiled
-    call, and the chains propose what the CachedLM draft proposes (the same tokens, logits within rounding) over
-    left-padded rows (holes) and a row whose cache outgrows its first capacity; output stays
-    the target's; a later engine run reuses the compiled code. The same for a PARD draft's
-    compiled extension."""
+    call, and the chains propose what the CachedLM draft proposes (the same tokens, logits
+    within rounding) over left-padded rows (holes) and a row whose cache outgrows its first
+    capacity; output stays the target's; a later engine run reuses the compiled code. The
+    same for a PARD draft's compiled extension."""
     target = MODELS["llama"]()
     _, ids, mask = _prompts([5, 120, 8])
     model = _draft(target)
@@ -193,14 +193,7 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
     runs = {}
     for compile in (False, True):
         draft = ModelDraft(model, compile=compile)
-        chains, propose = [], draft.propose
-
-        def logged(*args, _propose=propose, _chains=chains, _draft=draft, **kwargs):
-            tokens, probs = _propose(*args, **kwargs)
-            _chains.append((tokens.clone(), _draft.draft_logits.clone()))
-            return tokens, probs
-
-        draft.propose = logged
+        chains = logged_chains(draft)
         out = generate(target, ids, mask, DecodeSettings(max_new_tokens=160, k=4), {EOS}, draft)
         assert out.tokens == plain, compile
         runs[compile] = chains
