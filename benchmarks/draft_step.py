@@ -7,8 +7,9 @@
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
 scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
 the draft on int8 weights (eval.draft_int8: decoding/int8.py, Int8Linear), e.g. eagle3+int8,
-independent@8192+int8; +compile with compiled steps (eval.draft_compile; EAGLE-3 and
-independent drafts), e.g. eagle3+int8+compile, whose compilation runs before the timed steps.
+independent@8192+int8; +compile with compiled steps (eval.draft_compile; EAGLE-3,
+independent and PARD drafts), e.g. eagle3+int8+compile, whose compilation runs before the
+timed steps.
 
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the

@@ -15,6 +15,20 @@ from torch import nn
 from decoding.int8 import Int8Linear
 
 
+def head_rows(head: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """An output head (nn.Linear, or Int8Linear for a draft on int8 weights) restricted to
+    the output rows [Vd] (a draft vocabulary's ids, on the head's device), weights copied."""
+    if isinstance(head, Int8Linear):
+        return head.rows(rows)
+    out = nn.Linear(head.weight.shape[1], len(rows), head.bias is not None, head.weight.device,
+                    head.weight.dtype).requires_grad_(False)
+    with torch.no_grad():
+        out.weight.copy_(head.weight[rows])
+        if head.bias is not None:
+            out.bias.copy_(head.bias[rows])
+    return out
+
+
 class CachedLM:
     """A causal LM with its cache, its slot mask [B, L] and each row's next position [B].
 
@@ -28,16 +42,7 @@ class CachedLM:
         self.keep_hidden_states = keep_hidden_states
         self.head = None  # [..., H] -> [..., Vd] logits: the head's rows of the vocabulary
         if vocabulary is not None:
-            head = model.get_output_embeddings()
-            rows = vocabulary.to(self.device)
-            if isinstance(head, Int8Linear):  # a draft on int8 weights (decoding.int8)
-                self.head = head.rows(rows)
-            else:
-                self.head = nn.Linear(head.weight.shape[1], len(rows), head.bias is not None,
-                                      head.weight.device, head.weight.dtype).requires_grad_(False)
-                self.head.weight.copy_(head.weight[rows])
-                if head.bias is not None:
-                    self.head.bias.copy_(head.bias[rows])
+            self.head = head_rows(model.get_output_embeddings(), vocabulary.to(self.device))
         self.hidden_states: tuple[torch.Tensor, ...] | None = None
         """With keep_hidden_states: the last forward's hidden states, one [B, t, H] per layer
         (HF output_hidden_states: embeddings first, the post-norm last hidden state last)."""

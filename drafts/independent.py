@@ -354,8 +354,8 @@ loaded draft reuses the compiled code (a compilation takes tens of seconds)."""
 
 def compiled_lm(model, vocabulary: torch.Tensor | None,
                 what: str = "the independent draft's") -> SlotLM:
-    """A SlotLM of the model with compiled greedy chains, made again when its weights
-    changed."""
+    """A SlotLM of the model whose forwards run compiled, its fused weights and compiled code
+    kept per model and made again when its weights (or the vocabulary) changed."""
     made_from = (None if vocabulary is None else tuple(vocabulary.tolist()),
                  tuple((t.data_ptr(), t._version)
                        for t in (*model.parameters(), *model.buffers())))

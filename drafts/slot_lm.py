@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from decoding.int8 import Int8Linear
+from decoding.kv import head_rows
 from drafts.eagle3.head import attend, rotate_half
 from drafts.fused import CompiledSteps, RotaryTable, fuse_linears, mark_capacity_dynamic, rms_norm
 from drafts.slots import SlotKV
@@ -72,8 +72,8 @@ class FusedDecoder:
         self.layers = [self._layer(layer) for layer in decoder.layers]
         self.final = _norm(decoder.norm)
         head = model.get_output_embeddings()
-        self.vocab_size = head.out_features
-        self.head = head if vocabulary is None else _rows(head, vocabulary.to(head_device(head)))
+        self.head = head if vocabulary is None else head_rows(
+            head, vocabulary.to(decoder.norm.weight.device))
         self.cos_sin = RotaryTable(decoder.rotary_emb, self.head_dim)
 
     @staticmethod
@@ -117,25 +117,8 @@ class FusedDecoder:
         return self.head(hidden)
 
 
-def head_device(head: nn.Module) -> torch.device:
-    return next(head.buffers() if isinstance(head, Int8Linear) else head.parameters()).device
-
-
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight, norm.variance_epsilon
-
-
-def _rows(head: nn.Module, rows: torch.Tensor) -> nn.Module:
-    """The head restricted to output rows [Vd] (a draft vocabulary), as CachedLM's."""
-    if isinstance(head, Int8Linear):
-        return head.rows(rows)
-    out = nn.Linear(head.weight.shape[1], len(rows), head.bias is not None, head.weight.device,
-                    head.weight.dtype).requires_grad_(False)
-    with torch.no_grad():
-        out.weight.copy_(head.weight[rows])
-        if head.bias is not None:
-            out.bias.copy_(head.bias[rows])
-    return out
 
 
 def visible(mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
