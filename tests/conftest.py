@@ -3,6 +3,7 @@ stage-1 data from that target written once per session and copied into each test
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
@@ -74,6 +75,31 @@ def llamacpp_for_tests() -> Path:
     return Path(os.environ["DRAFTSMITH_LLAMACPP"])
 
 
+def torch_extensions_for_tests() -> Path:
+    """DeepSpeed's shared-memory collective op, which torch compiles on DeepSpeed's first CPU
+    launch, is built for the tests in a folder of their own beside llama.cpp's. torch's build
+    lock is a plain file: a build killed midway leaves it behind, and every later DeepSpeed
+    launch then waits on it forever. Every test session holds a shared flock on the folder
+    (released when its process ends, however it ends); a session that can take it exclusively
+    is the only one on the machine, so no build can be running, and it removes leftover locks."""
+    global _sessions_lock
+    folder = llamacpp_for_tests().parent / "torch_extensions"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
+    if _sessions_lock is None:
+        folder.mkdir(parents=True, exist_ok=True)
+        _sessions_lock = (folder / ".sessions").open("w")
+        try:
+            fcntl.flock(_sessions_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for stale in folder.glob("*/lock"):
+                print(f"removing {stale}: left by a build that was stopped", file=sys.stderr)
+                stale.unlink()
+        except BlockingIOError:
+            pass                                # another test session: its builds may run
+        fcntl.flock(_sessions_lock, fcntl.LOCK_SH)
+    return folder
+
+
+_sessions_lock = None
 _background_builds: list[tuple[subprocess.Popen, bool]] = []
 """(process, whether stopping it early is safe)."""
 
@@ -107,6 +133,9 @@ def pytest_collection_finish(session) -> None:
     torch's extension lock) for whatever is left. Each build stays in pytest's session: with
     Linux's autogroup scheduling a new session would take its own equal share of the CPU, nice
     or not."""
+    if session.config.option.collectonly:
+        return                                  # listing tests builds nothing
+    torch_extensions_for_tests()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     for i, (command, stoppable) in enumerate(_builds_wanted(session.items)):
         log = llamacpp_for_tests() / f"background-build-{i}.log"
