@@ -53,9 +53,11 @@ TREE = {"tree": True, "tree_nodes": 12, "ngram_branch": True}  # dynamic EAGLE-2
 
 
 @pytest.mark.parametrize("draft_kind,tree", [
-    ("layer-truncated", False), ("prompt lookup", False), ("medusa", False), ("eagle3", False),
-    ("eagle3", True)])
+    ("layer-truncated", False), ("prompt lookup", False), ("medusa", False), ("eagle3", True)])
 def test_greedy_speculation_equals_target_on_mtbench_questions(setup, draft_kind, tree):
+    """Batched (left-padded) greedy decoding equals the target's own. An EAGLE-3 head's chains
+    on the real target, one prompt at a time, are held to the target's texts (and to vLLM's) by
+    tests/serving/test_validate_vllm.py."""
     target, prompts, eos, reference = setup
     draft = {"layer-truncated": lambda: ModelDraft(layer_truncated(target, 4)),
              "prompt lookup": lambda: PromptLookupDraft(target.config.vocab_size),
@@ -70,5 +72,4 @@ def test_greedy_speculation_equals_target_on_mtbench_questions(setup, draft_kind
         accepted += sum(s.accepted for s in gen.stats)
     for row, (got, want) in enumerate(zip(outputs, reference)):
         assert got == want, f"MT-bench question {row}"
-    if draft_kind != "eagle3" or tree:  # right at times
-        assert accepted > 0  # the equality covers accepted draft tokens, not only rejections
+    assert accepted > 0  # the equality covers accepted draft tokens, not only rejections
