@@ -22,8 +22,6 @@ sliding-window attention, are refused with the fix (eval.draft_compile=false).
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
@@ -174,12 +172,13 @@ class SlotLM:
             # fresh strides: a [B, 1] slice of a wider tensor would recompile on its stride
             tokens, valid = (x.clone(memory_format=torch.contiguous_format)
                              for x in (tokens, valid))
-            args = (tokens, valid, *self._buffers(), self._slot(start, tokens), cos, sin)
+            args = (tokens, valid, *self._buffers(), self._slot(start, tokens), cos, sin,
+                    last_only)
             if self.steps is None:
-                return self._extend(*args, last_only=last_only)
+                return self._extend(*args)
             name = "extend, last logits" if last_only else "extend"
             if name not in self.steps:
-                self.steps.add(name, partial(self._extend, last_only=last_only))
+                self.steps.add(name, self._extend, fixed=True)
             _dynamic_width(tokens, valid, cos, sin)  # t varies call to call
             return self.steps(name, *args)
         keys = [slots.keys(i) for i in range(len(self.decoder.layers))]  # views [.., end, d]

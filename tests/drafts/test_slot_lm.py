@@ -168,6 +168,26 @@ def test_pard_drafts_over_a_slot_lm_propose_what_they_propose_over_hf():
         assert torch.allclose(logits, hf_logits, atol=1e-4)
 
 
+def test_compiled_code_is_kept_per_model_and_made_again_when_its_weights_change():
+    """compiled_lm's fused weights are copies and its compiled steps check only their arguments
+    (drafts.fused.guards_on_arguments): a model trained further, or another draft vocabulary,
+    gets a new FusedDecoder and new steps (nothing compiles here: steps compile when called)."""
+    from drafts.independent import compiled_lm
+
+    model = MODELS["llama"]()
+    first = compiled_lm(model, None)
+    assert compiled_lm(model, None).steps is first.steps
+    assert compiled_lm(model, None).decoder is first.decoder
+    with torch.no_grad():
+        model.get_decoder().layers[0].mlp.down_proj.weight.mul_(1.5)  # trained in place
+    trained = compiled_lm(model, None)
+    assert trained.steps is not first.steps and trained.decoder is not first.decoder
+    vocabulary = compiled_lm(model, torch.arange(0, VOCAB, 2))
+    assert vocabulary.steps is not trained.steps
+    assert vocabulary.decoder.head.out_features == VOCAB // 2
+    assert compiled_lm(model, torch.arange(0, VOCAB, 2)).steps is vocabulary.steps
+
+
 def test_slot_lm_refuses_what_it_cannot_run_exactly():
     from transformers import GPT2Config, GPT2LMHeadModel
 
