@@ -1,16 +1,14 @@
-"""Integration tier: targets of six architectures of assets/tiny.py (each attention and MLP family:
-dense GQA, Qwen3's q/k norms, MoE, sliding windows, attention sinks, MLA), in real vLLM, one draft
-kind each; Qwen2.5 and Mistral, Llama's layers with q/k/v biases and under their own class, are
-left to the matrix benchmark below. For each, a tiny random-weight instance writes stage-1 data, a
-draft is trained on it, exported, and validated greedy in vLLM: same tau and alpha_k as our engine,
-texts unchanged, drafts accepted. The kind is the one the real recipes train, EAGLE-3, where vLLM
-serves it for the architecture, else Medusa (Gemma-3: no SupportsEagle3; DeepSeek-V3: its MLA cache
-pages do not fit an EAGLE-3 head's on CPU). On DeepSeek-V3 vLLM-CPU's own greedy text changes with
-the draft where two tokens' logits are 0.015 apart (its MLA verification and decoding paths round
-differently, over the 0.01 our tie rule forgives): that case asserts the counts agree and that
-vLLM's texts move only at such near-ties. The whole matrix (every architecture x kind x engine,
-stage 1 in vLLM) is `python -m benchmarks.architecture_matrix`'s job (docs/architectures.md); the
-refusals it found are in tests/recipe/test_real_recipes.py."""
+"""Integration tier: targets of every architecture of assets/tiny.py, in real vLLM, one draft
+kind each. For each, a tiny random-weight instance writes stage-1 data, a draft is trained on
+it, exported, and validated greedy in vLLM: same tau and alpha_k as our engine, texts
+unchanged, drafts accepted. The kind is the one the real recipes train, EAGLE-3, where vLLM
+serves it for the architecture, else Medusa (Gemma-3: no SupportsEagle3; DeepSeek-V3: its MLA
+cache pages do not fit an EAGLE-3 head's on CPU). On DeepSeek-V3 vLLM-CPU's own greedy text
+changes with the draft where two tokens' logits are 0.015 apart (its MLA verification and
+decoding paths round differently, over the 0.01 our tie rule forgives): that case asserts the
+counts agree and that vLLM's texts move only at such near-ties. The whole matrix (every
+architecture x kind x engine, stage 1 in vLLM) is `python -m benchmarks.architecture_matrix`'s
+job (docs/architectures.md); the refusals it found are in tests/recipe/test_real_recipes.py."""
 
 from __future__ import annotations
 
@@ -24,8 +22,10 @@ from tests.helpers import chat_records, recipe_path, reset_accelerate, write_jso
 pytestmark = pytest.mark.integration
 
 CASES = [("llama3", "eagle3", []),
+         ("qwen2.5", "eagle3", []),
          ("qwen3", "eagle3", []),
          ("qwen3-moe", "eagle3", []),
+         ("mistral", "eagle3", []),
          ("gemma3", "medusa", []),
          ("gpt-oss", "eagle3", ["train.max_steps=120"]),  # its varied text takes longer to fit
          ("deepseek-v3", "medusa", [])]
