@@ -183,7 +183,7 @@ def _rows(out: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_killed_twice_then_resumed_writes_what_an_uninterrupted_run_writes(tiny_target,
-                                                                                 tmp_path):
+                                                                           tmp_path):
     """Every reply is a function of its conversation alone (its own seed, its batch as in an
     uninterrupted run), so SIGKILL at two seeded random points changes nothing written.
     Sampled over two processes (each row's own seed, each process's share of the shards); one
