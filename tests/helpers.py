@@ -266,3 +266,16 @@ VLLM_STAGE1 = ["data.max_prompts=8", "generation.max_new_tokens=32", "generation
                "model.dtype=float32", "generation.vllm_enforce_eager=true",
                "train.draft=layer-truncated:1"]
 """Stage 1 of the real SmolLM2 target in fp32, greedy, as the backends are compared on it."""
+
+
+def logged_chains(draft) -> list:
+    """The (tokens, draft logits) of every chain the draft proposes from now on."""
+    chains, propose = [], draft.propose
+
+    def logged(*args, **kwargs):
+        tokens, probs = propose(*args, **kwargs)
+        chains.append((tokens.clone(), draft.draft_logits.clone()))
+        return tokens, probs
+
+    draft.propose = logged
+    return chains

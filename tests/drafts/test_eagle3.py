@@ -27,7 +27,7 @@ from drafts.eagle3 import (
 from recipe import ConfigError
 from tests.decoding.test_engine import _prompts
 from tests.decoding.test_tree import candidate_path
-from tests.helpers import assert_same_state, tiny_llama
+from tests.helpers import assert_same_state, logged_chains, tiny_llama
 from train.data import Example, collate
 from train.features import target_hidden
 
@@ -183,15 +183,7 @@ def test_compiled_steps_draft_what_the_eager_head_drafts(target):
     runs = {}
     for compile in (False, True):
         draft = Eagle3Draft(head, target.get_input_embeddings(), compile=compile, layers={})
-        chains = []
-        propose = draft.propose
-
-        def logged(*args, **kwargs):
-            tokens, probs = propose(*args, **kwargs)
-            chains.append((tokens.clone(), draft.draft_logits.clone()))
-            return tokens, probs
-
-        draft.propose = logged
+        chains = logged_chains(draft)
         for k in (3, 4):
             runs[compile, k] = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=k),
                                         set(), draft).tokens

@@ -14,7 +14,7 @@ from drafts.pard import ParallelModelDraft
 from drafts.slot_lm import FusedDecoder, SlotLM
 from recipe import ConfigError
 from tests.decoding.test_engine import _noisy_copy, _prompts, _with_vocabulary
-from tests.helpers import tiny_llama
+from tests.helpers import logged_chains, tiny_llama
 
 VOCAB, EOS = 256, 2
 
@@ -77,19 +77,6 @@ def test_slot_lm_computes_what_the_hf_forward_computes(family, vocabulary):
     valid = torch.ones(3, 1, dtype=torch.bool)
     same(hf.extend(tokens, valid), slot.extend(tokens, valid), valid)
     assert torch.equal(hf.next_position, slot.next_position)
-
-
-def logged_chains(draft) -> list:
-    """The (tokens, draft logits) of every chain the draft proposes from now on."""
-    chains, propose = [], draft.propose
-
-    def logged(*args, **kwargs):
-        tokens, probs = propose(*args, **kwargs)
-        chains.append((tokens.clone(), draft.draft_logits.clone()))
-        return tokens, probs
-
-    draft.propose = logged
-    return chains
 
 
 def _draft(target):
