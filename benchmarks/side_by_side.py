@@ -50,8 +50,12 @@ import torch
 from benchmarks.architecture_matrix import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = {"speculators": "speculators==0.9.0"}
-PEER_ENTRY = {"speculators": ROOT / "benchmarks" / "peer_entry" / "speculators_cpu.py"}
+PEERS = {"speculators": "speculators==0.9.0", "specforge": "specforge==0.2.0"}
+PEER_ENTRY = {"speculators": ROOT / "benchmarks" / "peer_entry" / "speculators_cpu.py",
+              "specforge": ROOT / "benchmarks" / "peer_entry" / "specforge_cpu.py"}
+# speculators runs on our torch (the CPU wheel); SpecForge pins torch 2.11.0, whose PyPI wheel
+# (built for CUDA, with its libraries: most of the venv's ~11 GB) runs on a CPU as well
+CPU_TORCH = {"speculators": True, "specforge": False}
 
 SHARED_MATCHED = [
     "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
@@ -105,6 +109,30 @@ UNMATCHED = {
         "only start short of a trained speculator",
     ],
 }
+# SpecForge's EAGLE-3 trainer beside ours (with the shared items above)
+SPECFORGE_MATCHED = [
+    "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
+    "target features: one transformers forward, fp32; the aux features in the draft's dtype, "
+    "the last hidden state after the final norm in bf16 (its target head's fixed dtype)",
+    "one decoder layer over the aux layers of the recipe; the same d2t / t2d",
+    "training-time test: the recipe's ttt_steps, step j weighted 0.8**j (SpecForge's fixed "
+    "weight; the side by side refuses another train.head_decay)",
+    "loss: cross-entropy against the target's distribution on the draft vocabulary (forward "
+    "KL less the target's entropy: the same gradients)",
+    *SHARED_TAIL[:1],
+    "micro_batch_size conversations per optimizer step, padded (as ours: the same step count)",
+    "the same epochs",
+]
+SPECFORGE_UNMATCHED = [
+    "lm_head: SpecForge trains one of its own from random weights (no setting freezes it); ours "
+    "is frozen at the target's rows of the draft vocabulary",
+    "the cosine floor: ours decays to learning_rate * min_lr_ratio, SpecForge's to 0; its "
+    "warmup is a ratio of the steps, set to the recipe's warmup steps over the run's",
+    "precision where the CPU runs bf16 natively: SpecForge keeps the draft's weights in bf16 "
+    "with fp32 copies in its optimizer; ours keeps fp32 weights under bf16 autocast",
+    "its loss is a mean over every position of the padded batch (positions without a loss "
+    "count zero); ours a weighted mean over the positions that carry one",
+]
 VLLM_METHOD = {"eagle3": "eagle3", "dflash": "dflash"}
 KIND_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 
@@ -112,9 +140,10 @@ KIND_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 # --- peers' environments ---------------------------------------------------------------------
 
 def peer_python(peer: str, log=print) -> Path:
-    """The python of the peer's own venv, made once: torch 2.13.0 (the CPU wheel on disk)
-    first, the pinned peer with torch held to it, then without PyPI's CUDA torchvision /
-    torchaudio / torchcodec, which break `import transformers` beside the CPU torch."""
+    """The python of the peer's own venv, made once. speculators: torch 2.13.0 (the CPU wheel
+    on disk) first, the pinned peer with torch held to it, then without PyPI's CUDA torchvision
+    / torchaudio / torchcodec, which break `import transformers` beside the CPU torch.
+    SpecForge: the pinned peer with the torch it pins."""
     from recipe import cache_root
 
     spec = PEERS[peer]
@@ -127,12 +156,15 @@ def peer_python(peer: str, log=print) -> Path:
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True)
-    constraints = venv / "constraints.txt"
-    constraints.write_text("torch==2.13.0\n")
-    subprocess.run([*pip, "-c", str(constraints), spec], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
-                    "torchcodec"], check=False)
+    if CPU_TORCH[peer]:
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        constraints = venv / "constraints.txt"
+        constraints.write_text("torch==2.13.0\n")
+        subprocess.run([*pip, "-c", str(constraints), spec], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
+                        "torchaudio", "torchcodec"], check=False)
+    else:
+        subprocess.run([*pip, spec], check=True)
     subprocess.run([str(python), "-c", f"import {peer}, transformers"], check=True)
     stamp.write_text(spec + "\n")
     return python
@@ -385,6 +417,185 @@ def latest_speculators_checkpoint(save: Path) -> Path:
     return max(epochs, key=lambda p: int(p.name))
 
 
+# --- SpecForge --------------------------------------------------------------------------------
+
+def write_specforge_data(folder: Path, train, target, aux_layers: list[int],
+                         draft_ids: torch.Tensor, aux_dtype: torch.dtype, log=print) -> None:
+    """SpecForge's offline EAGLE-3 data in `folder`: train/<i>.ckpt, one per training
+    conversation (its loader reads every .ckpt under a directory, so the held-out rows are not
+    written), {input_ids [T], loss_mask [T], hidden_state [1, T, H]: the last hidden state after
+    the final norm, what its frozen target head projects (bf16, that head's dtype),
+    aux_hidden_state [1, T, 3H] in the draft's dtype}, and vocab_mapping.pt with the d2t / t2d
+    of `draft_ids`."""
+    from drafts.eagle3 import vocab_maps
+
+    rows = folder / "train"
+    rows.mkdir(parents=True, exist_ok=True)
+    norm = target.get_decoder().norm
+    start = time.perf_counter()
+    for i, e in enumerate(train):
+        path = rows / f"{i:06d}.ckpt"
+        if path.is_file() and torch.load(path, weights_only=True)["input_ids"].tolist() == \
+                e.input_ids:
+            continue
+        features = layer_features(target, e.input_ids, aux_layers)
+        with torch.no_grad():
+            last = norm(features[:, -1])
+        tmp = path.with_suffix(".tmp")
+        torch.save({"input_ids": torch.tensor(e.input_ids),
+                    "loss_mask": torch.tensor(e.loss_mask),
+                    "hidden_state": last.to(torch.bfloat16)[None].contiguous(),
+                    "aux_hidden_state": features[:, :-1].flatten(1).to(aux_dtype)[None]
+                    .contiguous()}, tmp)
+        tmp.replace(path)
+        if (i + 1) % 50 == 0:
+            log(f"[side-by-side] SpecForge features {i + 1}/{len(train)} "
+                f"({time.perf_counter() - start:.0f} s)")
+    for extra in rows.glob("*.ckpt"):  # rows of a larger data set written here before
+        if int(extra.stem) >= len(train):
+            extra.unlink()
+    d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
+    torch.save({"d2t": d2t, "t2d": t2d}, folder / "vocab_mapping.pt")
+
+
+def specforge_target(target_path: str, folder: Path) -> Path:
+    """The target as SpecForge reads it: its folder's files (links) plus the
+    model.safetensors.index.json it looks for the lm_head's file in (a one-file checkpoint
+    has none)."""
+    from safetensors import safe_open
+
+    source = Path(target_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        link = folder / f.name
+        if not link.is_symlink():
+            link.symlink_to(f.resolve())
+    weights = sorted(source.glob("*.safetensors"))
+    if len(weights) != 1 and not list(source.glob("*.index.json")):
+        raise RuntimeError(f"{source}: one safetensors file or an index expected")
+    if not list(source.glob("*.index.json")):
+        with safe_open(str(weights[0]), "pt") as f:
+            weight_map = {key: weights[0].name for key in f.keys()}
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+    return folder
+
+
+def specforge_run(cfg, target_folder: Path, data: Path, folder: Path, epochs: int,
+                  train_conversations: int, aux_layers: list[int], bf16: bool) -> Path:
+    """SpecForge's run config (YAML) for the recipe's settings (MATCHED["eagle3"]), and the
+    draft config it trains: the target's architecture fields, one layer, the recipe's draft
+    vocabulary."""
+    import yaml
+
+    t = cfg.train
+    if abs(t.head_decay - 0.8) > 1e-9:
+        raise ValueError(f"train.head_decay is {t.head_decay}: SpecForge weighs TTT step j by "
+                         "0.8**j and has no setting for it; compare at train.head_decay=0.8")
+    draft = json.loads((target_folder / "config.json").read_text())
+    for key in ("dtype", "torch_dtype", "transformers_version"):
+        draft.pop(key, None)
+    draft.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                 num_hidden_layers=1, draft_vocab_size=t.draft_vocab_size,
+                 tie_word_embeddings=False,
+                 eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layers})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "draft_config.json").write_text(json.dumps(draft, indent=2) + "\n")
+    total_steps = epochs * math.ceil(train_conversations / t.micro_batch_size)
+    run = {
+        "run_id": "side-by-side",
+        "output_dir": str(folder / "output"),
+        "model": {"target_model_path": str(target_folder),
+                  "draft_model_config": str(folder / "draft_config.json"),
+                  # SmolLM2 ties lm_head to the embeddings
+                  "embedding_key": "model.embed_tokens.weight",
+                  "lm_head_key": "model.embed_tokens.weight",
+                  "vocab_mapping_path": str(data / "vocab_mapping.pt"),
+                  "aux_hidden_state_layer_ids": aux_layers,
+                  "torch_dtype": "bfloat16" if bf16 else "float32"},
+        "data": {"hidden_states_path": str(data / "train"), "max_length": t.max_seq_len,
+                 "dataloader_num_workers": 0, "cache_dir": str(folder / "cache")},
+        "training": {"strategy": "eagle3", "num_epochs": epochs, "batch_size": t.micro_batch_size,
+                     "accumulation_steps": 1, "fsdp_sharding": "NO_SHARD",
+                     "learning_rate": t.learning_rate, "lr_scheduler": "cosine",
+                     "warmup_ratio": t.warmup_steps / total_steps, "max_grad_norm": 1.0,
+                     "ttt_length": t.ttt_steps, "attention_backend": "sdpa",
+                     "log_interval": 1, "seed": cfg.run.seed},
+        "tracking": {"report_to": "none"},
+    }
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(run, sort_keys=False))
+    return path
+
+
+def run_specforge(python: Path, args: list[str], log_path: Path,
+                  step_log: Path | None = None) -> float:
+    """One `specforge` command through the CPU entry point; its wall seconds."""
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "SPECFORGE_DEVICE": "cpu"}
+    if step_log is not None:
+        env["SIDE_BY_SIDE_STEP_LOG"] = str(step_log)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log_path.open("a") as log:
+        done = subprocess.run([str(python), str(PEER_ENTRY["specforge"]), *args], env=env,
+                              cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT,
+                              check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"SpecForge's {args[0]} failed (exit {done.returncode}); its log "
+                           f"{log_path} ends:\n{tail}")
+    return seconds
+
+
+def specforge_steps(step_log: Path) -> dict:
+    """Its optimizer steps from the entry point's per-step lines: seconds, tokens, rates."""
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    stepped = [s for s in steps if s["optimizer_stepped"]]
+    if not stepped:
+        raise RuntimeError(f"{step_log}: SpecForge trained no optimizer step")
+    return {"optimizer_steps": len(stepped), "step_seconds": sum(s["seconds"] for s in steps),
+            "step_tokens": sum(s["tokens"] for s in steps),
+            "step_rates": [s["tokens"] / s["seconds"] for s in stepped]}
+
+
+def latest_specforge_checkpoint(output: Path) -> Path:
+    """The newest checkpoint folder SpecForge wrote under its output_dir."""
+    found = [p.parent for p in output.rglob("*.pt") if p.parent.name != "cache"]
+    if not found:
+        raise RuntimeError(f"SpecForge wrote no checkpoint under {output}")
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def train_specforge(python: Path, cfg, target_path: str, work: Path, folder: Path, train,
+                    target, aux_layers: list[int], draft_ids: torch.Tensor, epochs: int,
+                    bf16: bool) -> dict:
+    """SpecForge's EAGLE-3 trainer on the same conversations: its data (outside its clock), its
+    run (timed), its checkpoint exported in the HF layout vLLM loads."""
+    data = work / "specforge-data"
+    write_specforge_data(data, train, target, aux_layers, draft_ids,
+                         torch.bfloat16 if bf16 else torch.float32)
+    target_folder = specforge_target(target_path, work / "specforge-target")
+    config = specforge_run(cfg, target_folder, data, folder, epochs, len(train), aux_layers,
+                           bf16)
+    steps = folder / "steps.jsonl"
+    print(f"[side-by-side] specforge: training ({epochs} epochs), log {folder / 'train.log'}")
+    seconds = run_specforge(python, ["train", "--config", str(config)], folder / "train.log",
+                            steps)
+    checkpoint = latest_specforge_checkpoint(folder / "output")
+    head = folder / "head"
+    run_specforge(python, ["export", "--to", "hf", "--checkpoint", str(checkpoint),
+                           "--draft-config", str(folder / "draft_config.json"),
+                           "--output-dir", str(head),
+                           "--vocab-mapping", str(data / "vocab_mapping.pt"),
+                           "--embedding-source", str(target_folder),
+                           "--embedding-key", "model.embed_tokens.weight"],
+                  folder / "export.log")
+    return {"wall_seconds": seconds, "folder": str(head), "checkpoint": str(checkpoint),
+            "config": str(config), **specforge_steps(steps)}
+
+
 # --- measuring -------------------------------------------------------------------------------
 
 def head_figures(found: dict, reference: list[list[int]]) -> dict:
@@ -512,9 +723,22 @@ def main(argv: list[str] | None = None) -> int:
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
     draft_ids = head_vocabulary(heads["draftsmith"]) if kind == "eagle3" else None
     mask_token = head_mask_token(heads["draftsmith"]) if kind == "dflash" else None
+    if "specforge" in peers and kind != "eagle3":
+        raise ConfigError(f"--peers specforge: the side by side runs SpecForge's EAGLE-3 trainer "
+                          f"only; a {KIND_NAMES[kind]} recipe compares with speculators "
+                          "(--peers speculators).")
     for peer in peers:
         folder = budget / peer
-        if peer not in trained:
+        if peer == "specforge" and peer not in trained:
+            python = peer_python(peer)
+            if folder.exists():  # a killed run's: its log and clock would mix with this one's
+                print(f"[side-by-side] {peer}: the unfinished run in {folder} is started over")
+                shutil.rmtree(folder)
+            trained[peer] = train_specforge(python, cfg, resolved.path, work, folder, train,
+                                            target, aux_layers, draft_ids, args.epochs, bf16)
+            results.pop("vllm_setting", None)
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+        elif peer not in trained:
             python = peer_python(peer)
             data_dir = work / f"{peer}-data"
             ratio = write_speculators_data(data_dir, train, held_out, target, aux_layers,
@@ -543,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were
         trained["draftsmith"]["step_rates"] = our_step_rates(ours / "train" / "log.jsonl")
     for name, found in trained.items():
-        if "step_rates" not in found:
+        if "step_rates" not in found:  # speculators' runs recorded before they were
             found["step_rates"] = speculators_steps(
                 (budget / name / "train.log").read_text())["step_rates"]
         found["tokens_per_second"] = found["step_tokens"] / found["step_seconds"]
@@ -573,9 +797,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def settings(kind: str) -> str:
     """What the side by side of `kind` matches between the trainers, and what it cannot."""
-    return (f"{KIND_NAMES[kind]}, matched:\n" + "".join(f"- {m}\n" for m in MATCHED[kind])
+    text = (f"{KIND_NAMES[kind]}, matched:\n" + "".join(f"- {m}\n" for m in MATCHED[kind])
             + f"\n{KIND_NAMES[kind]}, not matched:\n"
             + "".join(f"- {m}\n" for m in UNMATCHED[kind]))
+    if kind == "eagle3":
+        text += ("\nEAGLE-3 against SpecForge, matched:\n"
+                 + "".join(f"- {m}\n" for m in SPECFORGE_MATCHED)
+                 + "\nEAGLE-3 against SpecForge, not matched:\n"
+                 + "".join(f"- {m}\n" for m in SPECFORGE_UNMATCHED))
+    return text
 
 
 def render_table(results: dict) -> str:

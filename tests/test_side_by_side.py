@@ -1,8 +1,8 @@
 """The side-by-side benchmark's own pieces (benchmarks/side_by_side.py), on a tiny random
 Llama: the features in speculators' layout, its data folder as its loader splits it, the draft
 vocabulary maps, the mask token, the peer's flags per kind, the last checkpoint, the acceptance
-figures. Training the peers and vLLM is
-the benchmark's job, not a test's."""
+figures; SpecForge's offline files, target folder, run config, step log and CPU loss. Training
+the peers and vLLM is the benchmark's job, not a test's."""
 
 import json
 import math
@@ -20,8 +20,12 @@ from benchmarks.side_by_side import (
     layer_features,
     our_step_rates,
     render_table,
+    specforge_run,
+    specforge_steps,
+    specforge_target,
     speculators_flags,
     speculators_steps,
+    write_specforge_data,
     write_speculators_data,
 )
 from drafts.eagle3 import target_ids, vocab_maps
@@ -209,3 +213,115 @@ def test_our_step_rates_come_from_the_logs_running_totals(tmp_path):
                {"optimizer_step": 3, "tokens": 3500, "tokens_per_s": 175.0}]  # 20 s in all
     log.write_text("".join(json.dumps(e) + "\n" for e in entries))
     assert our_step_rates(log) == pytest.approx([100.0, 400.0, 100.0])
+
+
+def test_specforge_data_holds_each_training_row_with_the_normed_last_state(target, tmp_path):
+    train = _examples(5, 0)
+    draft_ids = torch.tensor([2, 5, 9, 40, 77])
+    write_specforge_data(tmp_path, train, target, [1, 2, 3], draft_ids, torch.float32,
+                         log=lambda *a: None)
+    files = sorted((tmp_path / "train").glob("*.ckpt"))
+    assert [f.name for f in files] == [f"{i:06d}.ckpt" for i in range(5)]  # its sorted order
+    for f, e in zip(files, train):
+        row = torch.load(f, weights_only=True)
+        T = len(e.input_ids)
+        assert row["input_ids"].tolist() == e.input_ids
+        assert row["loss_mask"].tolist() == e.loss_mask
+        out = target.model(input_ids=torch.tensor([e.input_ids]), output_hidden_states=True)
+        assert row["hidden_state"].shape == (1, T, 64)
+        assert row["hidden_state"].dtype == torch.bfloat16  # its target head's dtype
+        torch.testing.assert_close(row["hidden_state"][0].float(), out.last_hidden_state[0],
+                                   atol=2e-2, rtol=2e-2)  # after the final norm
+        assert row["aux_hidden_state"].shape == (1, T, 3 * 64)
+        assert row["aux_hidden_state"].dtype == torch.float32
+        torch.testing.assert_close(row["aux_hidden_state"][0, :, 64:128], out.hidden_states[2][0])
+    maps = torch.load(tmp_path / "vocab_mapping.pt", weights_only=True)
+    assert target_ids(torch.arange(5), maps["d2t"]).tolist() == draft_ids.tolist()
+    assert maps["t2d"].nonzero().flatten().tolist() == draft_ids.tolist()
+
+    stamp = files[0].stat().st_mtime_ns
+    torch.save({"input_ids": torch.tensor([1, 2])}, files[1])  # another conversation's row
+    write_specforge_data(tmp_path, train[:3], target, [1, 2, 3], draft_ids, torch.float32,
+                         log=lambda *a: None)
+    assert files[0].stat().st_mtime_ns == stamp  # kept
+    assert torch.load(files[1], weights_only=True)["input_ids"].tolist() == train[1].input_ids
+    assert len(list((tmp_path / "train").glob("*.ckpt"))) == 3  # the larger set's rows gone
+
+
+def test_specforge_reads_the_target_through_an_index_of_its_one_file(tmp_path):
+    from safetensors.torch import save_file
+
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    save_file({"model.embed_tokens.weight": torch.zeros(4, 2), "model.norm.weight": torch.ones(2)},
+              str(source / "model.safetensors"))
+    folder = specforge_target(str(source), tmp_path / "specforge-target")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {"model.embed_tokens.weight": "model.safetensors",
+                                   "model.norm.weight": "model.safetensors"}
+    assert (folder / "config.json").resolve() == (source / "config.json").resolve()
+    assert specforge_target(str(source), folder) == folder  # made again over its own links
+
+
+def test_specforge_run_config_carries_the_recipes_settings(tmp_path):
+    import yaml
+
+    from recipe import ConfigError, load_config
+
+    target_folder = tmp_path / "target"
+    target_folder.mkdir()
+    (target_folder / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "vocab_size": 49152,
+         "num_hidden_layers": 30, "tie_word_embeddings": True, "dtype": "float32"}))
+    cfg = load_config(ROOT / "configs" / "smollm2-135m-eagle3.yaml", [])
+    path = specforge_run(cfg, target_folder, tmp_path / "data", tmp_path / "run", 8, 184,
+                         [2, 15, 27], True)
+    run = yaml.safe_load(path.read_text())
+    t = run["training"]
+    assert (t["strategy"], t["num_epochs"], t["batch_size"], t["ttt_length"]) == \
+        ("eagle3", 8, 4, 7)
+    assert (t["learning_rate"], t["max_grad_norm"], t["lr_scheduler"]) == (0.002, 1.0, "cosine")
+    assert t["warmup_ratio"] == pytest.approx(10 / (8 * 46))  # the recipe's warmup steps
+    assert run["model"]["torch_dtype"] == "bfloat16"
+    assert run["model"]["lm_head_key"] == "model.embed_tokens.weight"  # tied in SmolLM2
+    assert run["data"]["hidden_states_path"] == str(tmp_path / "data" / "train")
+    draft = json.loads((tmp_path / "run" / "draft_config.json").read_text())
+    assert draft["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (draft["num_hidden_layers"], draft["draft_vocab_size"]) == (1, 8192)
+    assert draft["tie_word_embeddings"] is False and "dtype" not in draft
+    assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+
+    other = load_config(ROOT / "configs" / "smollm2-135m-eagle3.yaml", ["train.head_decay=0.7"])
+    with pytest.raises((ConfigError, ValueError), match="head_decay"):
+        specforge_run(other, target_folder, tmp_path / "data", tmp_path / "run", 8, 184,
+                      [2, 15, 27], True)
+
+
+def test_specforge_steps_come_from_the_entry_points_step_log(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    rows = [{"tokens": 1000, "seconds": 10.0, "optimizer_stepped": True},
+            {"tokens": 600, "seconds": 2.0, "optimizer_stepped": True}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = specforge_steps(log)
+    assert steps["optimizer_steps"] == 2
+    assert (steps["step_seconds"], steps["step_tokens"]) == (12.0, 1600)
+    assert steps["step_rates"] == pytest.approx([100.0, 300.0])
+    log.write_text("")
+    with pytest.raises(RuntimeError, match="no optimizer step"):
+        specforge_steps(log)
+
+
+def test_specforge_cpu_loss_is_the_soft_label_cross_entropy_of_its_kernel():
+    from benchmarks.peer_entry.specforge_cpu import TorchLogSoftmaxLoss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g, requires_grad=True)
+    target_p = torch.softmax(torch.randn(2, 3, 7, generator=g), -1)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])[..., None]
+    loss = TorchLogSoftmaxLoss.apply(logits, target_p, mask)
+    expected = sum(-(target_p[b, t] * torch.log_softmax(logits[b, t], -1)).sum()
+                   for b in range(2) for t in range(3) if mask[b, t]) / 6  # mean over B * T
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    assert logits.grad[0, 1].abs().sum() == 0  # a masked position gets no gradient
