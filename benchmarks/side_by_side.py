@@ -3,30 +3,35 @@ conversations, the same target features and matched settings, every head measure
 run.
 
     .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
-        [--peers speculators] [--epochs 8] [--conversations 200] [--questions 10]
+        [--peers speculators[,specforge]] [--epochs 8] [--conversations 200] [--questions 10]
         [--max-new-tokens 256] [--work DIR] [--write-docs] [--variant NAME]
         [recipe overrides key=value ...]
 
-The recipe's train.draft picks the kind: an eagle3 recipe against speculators' EAGLE-3 trainer,
-a dflash recipe (configs/smollm2-135m-dflash.yaml) against its DFlash trainer.
+The recipe's train.draft picks the kind: an eagle3 recipe against speculators' EAGLE-3 trainer
+and SpecForge's (`--peers speculators,specforge`), a dflash recipe
+(configs/smollm2-135m-dflash.yaml) against speculators' DFlash trainer.
 
 Steps, each resumed where a killed run left it (the work folder keeps what is done):
 1. stage 1 of the recipe (our distill stage, its own resume), `--conversations` prompts;
-2. the peer's pinned venv under <cache>/peers (torch 2.13.0 from the CPU wheel first);
+2. each peer's pinned venv under <cache>/peers (speculators: torch 2.13.0 from the CPU wheel
+   first; SpecForge: the torch 2.11.0 it pins, whose PyPI wheel runs on a CPU);
 3. the stage-1 split (train and held out by id, as our trainer splits it) and the target's
    features, computed once by a transformers forward and written in the peer's format (for
    speculators: a dataset of input_ids / loss_mask / seq_len with the training rows first, and
    hidden_states/hs_<i>.safetensors: the three aux layers and the last hidden state before the
-   final norm, [T, 4, H]); for EAGLE-3 the draft vocabulary our trainer picked (the most
-   frequent training labels) written as the peer's d2t / t2d, for DFlash our mask token;
+   final norm, [T, 4, H]; for SpecForge: one .ckpt per training conversation with the aux
+   features and the last hidden state after the final norm); for EAGLE-3 the draft vocabulary
+   our trainer picked (the most frequent training labels) written as the peer's d2t / t2d, for
+   DFlash our mask token;
 4. our trainer (resumed from its checkpoints), then each peer's (started over if killed, so
    that one run is timed), for the same epochs: the wall time of each (features excluded: they
    are shared) and the training tokens/s of its optimizer steps, as each trainer's own clock
-   times them: over all steps, and the median step's (robust to other work on the CPU);
+   times them (SpecForge's: a clock the entry point puts around each of its steps): over all
+   steps, and the median step's (robust to other work on the CPU);
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
    each text equals the target's own.
-The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED and
-printed with the table. Results: <work>/<epochs>-epochs/results.json; --write-docs puts the
+The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED
+(SPECFORGE_MATCHED and SPECFORGE_UNMATCHED for SpecForge) and printed with the table. Results: <work>/<epochs>-epochs/results.json; --write-docs puts the
 table into docs/side-by-side.md with the CPU, the commit and this command. An ablation of ours
 (`--variant NAME --peers '' key=value ...`) trains ours again with the overrides on the same
 conversations and features, in <work>/<epochs>-epochs-<NAME>, and measures it in vLLM.

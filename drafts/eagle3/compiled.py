@@ -12,9 +12,10 @@ the capacity, which doubles as a generation grows, is a dynamic dimension. Draft
 their slots in place; slots at or past the end of the cache are masked out, whatever stale
 values they hold.
 
-A chain of k is one compiled call (one per k: k is a constant of its code): `token` drafts
-one greedy token and runs it through the layer, k - 1 times, then `last` gives the k-th
-token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic
+A chain of k is one compiled call (one per k: k is a constant of its code, and each k runs
+a copy of the chain's code of its own, guarded on its arguments only: drafts/fused.py):
+`token` drafts one greedy token and runs it through the layer, k - 1 times, then `last` gives
+the k-th token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic
 is FusedLayer's; inductor may fuse and round differently from eager, so the drafted tokens
 can differ from the eager head's in a near tie: verification reads the draft's own logits as
 they are, so decoding stays lossless either way.
@@ -37,7 +38,9 @@ class CompiledHead:
                  device: torch.device):
         self.layer, self.embedding, self.fc, self.dtype = layer, embedding, fc, dtype
         self.steps = CompiledSteps(device, "the EAGLE-3 head's")
-        self.steps.add("settle", self._settle)  # and "chain <k>" once used
+        # fixed: the layer, embedding and fc never change under a CompiledHead (Eagle3Draft
+        # makes a new one when the head's weights do), so only the arguments are guarded
+        self.steps.add("settle", self._settle, fixed=True)  # and "chain <k>" once used
 
     def propose(self, cache, hidden: torch.Tensor, draft_ids: torch.Tensor, k: int):
         """A greedy chain of k from hidden [B, H] (Eagle3Draft.propose at temperature 0): its
@@ -47,30 +50,28 @@ class CompiledHead:
         slots.reserve(k - 1)
         positions = cache.next_position[:, None] + torch.arange(k - 1, device=hidden.device)
         cos, sin = self.layer.cos_sin(self.fc.weight, positions, slots.length + k)
-        name = f"chain {k}"  # one compiled call a chain: k is a constant of its code
+        name = f"chain {k}"  # one compiled call a chain, its code its own: k is its constant
         if name not in self.steps:
-            self.steps.add(name, self._chain(k))
+            self.steps.add(name, self._chain, fixed=True)
         out = self.steps(name, hidden, draft_ids, *self._buffers(slots),
                          self._slot(slots.length, hidden), cos, sin)
         slots.length += k - 1
         cache.next_position = cache.next_position + k - 1
         return out
 
-    def _chain(self, k: int):
-        """The chain of k as one function: k - 1 tokens through the layer, then the last
-        token's logits -> tokens [B, k], logits [B, k, Vd]."""
-        def chain(hidden, draft_ids, keys, values, mask, length, cos, sin):
-            tokens, logits = [], []
-            for i in range(k - 1):
-                token, scores, hidden = self._token(hidden, draft_ids, keys, values, mask,
-                                                    length + i, cos[:, :, i:i + 1],
-                                                    sin[:, :, i:i + 1])
-                tokens.append(token)
-                logits.append(scores)
-            token, scores = self._last(hidden, draft_ids)
-            return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
-
-        return chain
+    def _chain(self, hidden, draft_ids, keys, values, mask, length, cos, sin):
+        """The chain of k as one function, k - 1 the rotary's positions (cos, sin [B, 1, k - 1,
+        d]: a static shape, so each k compiles its own unrolled code): k - 1 tokens through
+        the layer, then the last token's logits -> tokens [B, k], logits [B, k, Vd]."""
+        tokens, logits = [], []
+        for i in range(cos.shape[2]):
+            token, scores, hidden = self._token(hidden, draft_ids, keys, values, mask,
+                                                length + i, cos[:, :, i:i + 1],
+                                                sin[:, :, i:i + 1])
+            tokens.append(token)
+            logits.append(scores)
+        token, scores = self._last(hidden, draft_ids)
+        return torch.stack(tokens + [token], 1), torch.stack(logits + [scores], 1)
 
     def run(self, cache, tokens: torch.Tensor, target_features: torch.Tensor,
             valid: torch.Tensor) -> torch.Tensor:
