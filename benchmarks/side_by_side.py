@@ -31,8 +31,9 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED
-(SPECFORGE_MATCHED and SPECFORGE_UNMATCHED for SpecForge) and printed with the table. Results: <work>/<epochs>-epochs/results.json; --write-docs puts the
-table into docs/side-by-side.md with the CPU, the commit and this command. An ablation of ours
+(SPECFORGE_MATCHED and SPECFORGE_UNMATCHED for SpecForge) and printed with the table.
+Results: <work>/<epochs>-epochs/results.json; --write-docs puts the table into
+docs/side-by-side.md with the CPU, the commit and this command. An ablation of ours
 (`--variant NAME --peers '' key=value ...`) trains ours again with the overrides on the same
 conversations and features, in <work>/<epochs>-epochs-<NAME>, and measures it in vLLM.
 """
@@ -125,7 +126,8 @@ SPECFORGE_MATCHED = [
     "loss: cross-entropy against the target's distribution on the draft vocabulary (forward "
     "KL less the target's entropy: the same gradients)",
     *SHARED_TAIL[:1],
-    "micro_batch_size conversations per optimizer step, padded (as ours: the same step count)",
+    "micro_batch_size conversations per optimizer step, padded, as ours (its loader drops a "
+    "last partial batch)",
     "the same epochs",
 ]
 SPECFORGE_UNMATCHED = [
