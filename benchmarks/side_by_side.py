@@ -399,20 +399,30 @@ def speculators_flags(cfg, kind: str, target_path: str, data: Path, save: Path, 
         "--seed", str(cfg.run.seed)]
 
 
-def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+def run_peer(peer: str, python: Path, args: list[str], log_path: Path, what: str,
+             env: dict | None = None) -> float:
+    """One run of the peer's entry point (benchmarks/peer_entry) in its venv, with our torch
+    threads and `env`, its output appended to log_path: its wall seconds. A failure raises
+    with the end of its log."""
+    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with log_path.open("a") as log:
-        done = subprocess.run([str(python), str(PEER_ENTRY["speculators"]), *flags], env=env,
+        done = subprocess.run([str(python), str(PEER_ENTRY[peer]), *args], env=env,
                               cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT,
                               check=False)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"speculators' trainer failed (exit {done.returncode}); its log "
-                           f"{log_path} ends:\n{tail}")
-    return {"wall_seconds": seconds}
+        raise RuntimeError(f"{what} failed (exit {done.returncode}); its log {log_path} "
+                           f"ends:\n{tail}")
+    return seconds
+
+
+def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
+    return {"wall_seconds": run_peer("speculators", python, flags, log_path,
+                                     "speculators' trainer")}
 
 
 def latest_speculators_checkpoint(save: Path) -> Path:
@@ -536,27 +546,6 @@ def specforge_run(cfg, target_folder: Path, data: Path, folder: Path, epochs: in
     return path
 
 
-def run_specforge(python: Path, args: list[str], log_path: Path,
-                  step_log: Path | None = None) -> float:
-    """One `specforge` command through the CPU entry point; its wall seconds."""
-    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads()),
-           "SPECFORGE_DEVICE": "cpu"}
-    if step_log is not None:
-        env["SIDE_BY_SIDE_STEP_LOG"] = str(step_log)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with log_path.open("a") as log:
-        done = subprocess.run([str(python), str(PEER_ENTRY["specforge"]), *args], env=env,
-                              cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT,
-                              check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"SpecForge's {args[0]} failed (exit {done.returncode}); its log "
-                           f"{log_path} ends:\n{tail}")
-    return seconds
-
-
 def specforge_steps(step_log: Path) -> dict:
     """Its optimizer steps from the entry point's per-step lines: seconds, tokens, rates."""
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
@@ -589,17 +578,19 @@ def train_specforge(python: Path, cfg, target_path: str, work: Path, folder: Pat
                            bf16)
     steps = folder / "steps.jsonl"
     print(f"[side-by-side] specforge: training ({epochs} epochs), log {folder / 'train.log'}")
-    seconds = run_specforge(python, ["train", "--config", str(config)], folder / "train.log",
-                            steps)
+    on_cpu = {"SPECFORGE_DEVICE": "cpu"}
+    seconds = run_peer("specforge", python, ["train", "--config", str(config)],
+                       folder / "train.log", "SpecForge's trainer",
+                       {**on_cpu, "SIDE_BY_SIDE_STEP_LOG": str(steps)})
     checkpoint = latest_specforge_checkpoint(folder / "output")
     head = folder / "head"
-    run_specforge(python, ["export", "--to", "hf", "--checkpoint", str(checkpoint),
-                           "--draft-config", str(folder / "draft_config.json"),
-                           "--output-dir", str(head),
-                           "--vocab-mapping", str(data / "vocab_mapping.pt"),
-                           "--embedding-source", str(target_folder),
-                           "--embedding-key", "model.embed_tokens.weight"],
-                  folder / "export.log")
+    run_peer("specforge", python, ["export", "--to", "hf", "--checkpoint", str(checkpoint),
+                                   "--draft-config", str(folder / "draft_config.json"),
+                                   "--output-dir", str(head),
+                                   "--vocab-mapping", str(data / "vocab_mapping.pt"),
+                                   "--embedding-source", str(target_folder),
+                                   "--embedding-key", "model.embed_tokens.weight"],
+             folder / "export.log", "SpecForge's export", on_cpu)
     return {"wall_seconds": seconds, "folder": str(head), "checkpoint": str(checkpoint),
             "config": str(config), **specforge_steps(steps)}
 

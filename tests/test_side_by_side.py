@@ -6,6 +6,7 @@ the peers and vLLM is the benchmark's job, not a test's."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from benchmarks.side_by_side import (
     layer_features,
     our_step_rates,
     render_table,
+    run_peer,
     specforge_run,
     specforge_steps,
     specforge_target,
@@ -325,3 +327,21 @@ def test_specforge_cpu_loss_is_the_soft_label_cross_entropy_of_its_kernel():
     torch.testing.assert_close(loss, expected)
     loss.backward()
     assert logits.grad[0, 1].abs().sum() == 0  # a masked position gets no gradient
+
+
+def test_a_peer_run_appends_to_its_log_and_a_failure_shows_its_end(tmp_path, monkeypatch):
+    import sys
+
+    import benchmarks.side_by_side as side_by_side
+
+    entry = tmp_path / "entry.py"
+    entry.write_text("import os, sys\nprint('args', sys.argv[1:], os.environ['EXTRA'])\n"
+                     "sys.exit(int(sys.argv[1]))\n")
+    monkeypatch.setitem(side_by_side.PEER_ENTRY, "specforge", entry)
+    log = tmp_path / "run" / "train.log"
+    seconds = run_peer("specforge", Path(sys.executable), ["0"], log, "its trainer",
+                       {"EXTRA": "x"})
+    assert seconds > 0 and "args ['0'] x" in log.read_text()
+    with pytest.raises(RuntimeError, match=r"(?s)its trainer failed \(exit 3\).*args \['3'\] x"):
+        run_peer("specforge", Path(sys.executable), ["3"], log, "its trainer", {"EXTRA": "x"})
+    assert log.read_text().count("args") == 2  # appended
