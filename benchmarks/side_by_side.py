@@ -420,9 +420,29 @@ def run_peer(peer: str, python: Path, args: list[str], log_path: Path, what: str
     return seconds
 
 
-def train_speculators(python: Path, flags: list[str], log_path: Path) -> dict:
-    return {"wall_seconds": run_peer("speculators", python, flags, log_path,
-                                     "speculators' trainer")}
+def train_speculators(python: Path, cfg, kind: str, target_path: str, work: Path, folder: Path,
+                      train, held_out, target, aux_layers: list[int],
+                      draft_ids: torch.Tensor | None, mask_token: int | None, epochs: int,
+                      bf16: bool) -> dict:
+    """speculators' trainer of `kind` on the same conversations: its data (outside its clock),
+    its run (timed), its last checkpoint, which vLLM loads as it is."""
+    data = work / "speculators-data"
+    ratio = write_speculators_data(data, train, held_out, target, aux_layers, draft_ids)
+    mismatch = check_features_match_ours(data, cfg, train + held_out, target)
+    # its steps pack conversations into a token budget: ours take micro_batch_size
+    # conversations, so the budget is that many of the mean training length
+    train_tokens = sum(len(e.input_ids) for e in train)
+    per_step = max(cfg.train.max_seq_len,
+                   round(cfg.train.micro_batch_size * train_tokens / len(train)))
+    flags = speculators_flags(cfg, kind, target_path, data, folder / "checkpoints", ratio,
+                              epochs, aux_layers, bf16, per_step, mask_token)
+    print(f"[side-by-side] speculators: training ({epochs} epochs), log {folder / 'train.log'}")
+    seconds = run_peer("speculators", python, flags, folder / "train.log",
+                       "speculators' trainer")
+    return {"wall_seconds": seconds,
+            **speculators_steps((folder / "train.log").read_text()),
+            "folder": str(latest_speculators_checkpoint(folder / "checkpoints")),
+            "flags": flags, "features_vs_ours": mismatch}
 
 
 def latest_speculators_checkpoint(save: Path) -> Path:
@@ -728,39 +748,19 @@ def main(argv: list[str] | None = None) -> int:
                           "(--peers speculators).")
     for peer in peers:
         folder = budget / peer
-        if peer == "specforge" and peer not in trained:
+        if peer not in trained:
             python = peer_python(peer)
             if folder.exists():  # a killed run's: its log and clock would mix with this one's
                 print(f"[side-by-side] {peer}: the unfinished run in {folder} is started over")
                 shutil.rmtree(folder)
-            trained[peer] = train_specforge(python, cfg, resolved.path, work, folder, train,
-                                            target, aux_layers, draft_ids, args.epochs, bf16)
-            results.pop("vllm_setting", None)
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
-        elif peer not in trained:
-            python = peer_python(peer)
-            data_dir = work / f"{peer}-data"
-            ratio = write_speculators_data(data_dir, train, held_out, target, aux_layers,
-                                           draft_ids)
-            mismatch = check_features_match_ours(data_dir, cfg, train + held_out, target)
-            # its steps pack conversations into a token budget: ours take micro_batch_size
-            # conversations, so the budget is that many of the mean training length
-            per_step = max(cfg.train.max_seq_len,
-                           round(cfg.train.micro_batch_size * train_tokens / len(train)))
-            flags = speculators_flags(cfg, kind, resolved.path, data_dir,
-                                      folder / "checkpoints", ratio, args.epochs, aux_layers,
-                                      bf16, per_step, mask_token)
-            if folder.exists():  # a killed run's: its log and clock would mix with this one's
-                print(f"[side-by-side] {peer}: the unfinished run in {folder} is started over")
-                shutil.rmtree(folder)
-            print(f"[side-by-side] {peer}: training ({args.epochs} epochs), log "
-                  f"{folder / 'train.log'}")
-            found = train_speculators(python, flags, folder / "train.log")
-            found.update(speculators_steps((folder / "train.log").read_text()))
-            found.update(folder=str(latest_speculators_checkpoint(folder / "checkpoints")),
-                         flags=flags, features_vs_ours=mismatch)
-            trained[peer] = found
-            results.pop("vllm_setting", None)
+            if peer == "specforge":
+                trained[peer] = train_specforge(python, cfg, resolved.path, work, folder, train,
+                                                target, aux_layers, draft_ids, args.epochs, bf16)
+            else:
+                trained[peer] = train_speculators(python, cfg, kind, resolved.path, work, folder,
+                                                  train, held_out, target, aux_layers, draft_ids,
+                                                  mask_token, args.epochs, bf16)
+            results.pop("vllm_setting", None)  # a head trained now is measured now
             results_path.write_text(json.dumps(results, indent=2) + "\n")
         heads[peer] = Path(trained[peer]["folder"])
     if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were

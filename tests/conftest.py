@@ -81,7 +81,8 @@ def torch_extensions_for_tests() -> Path:
     lock is a plain file: a build killed midway leaves it behind, and every later DeepSpeed
     launch then waits on it forever. Every test session holds a shared flock on the folder
     (released when its process ends, however it ends); a session that can take it exclusively
-    knows no other test session is running, so no build can be, and removes leftover locks."""
+    knows no other pytest run uses the folder, so no build can be under way, and removes
+    leftover locks."""
     global _sessions_lock
     folder = llamacpp_for_tests().parent / "torch_extensions"
     os.environ["TORCH_EXTENSIONS_DIR"] = str(folder)
