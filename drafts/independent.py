@@ -249,8 +249,9 @@ def right_aligned(tokens: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tens
 class ModelDraft:
     """The engine's draft: the LM proposes k tokens one by one from its own KV cache. With a
     draft vocabulary (the model's config.draft_vocabulary) its head scores those tokens alone
-    and q is zero elsewhere. compile: the LM runs as drafts.slot_lm.SlotLM, each forward of a
-    chain one compiled call (trees eager, over the same cache)."""
+    and q is zero elsewhere. compile: the LM runs as drafts.slot_lm.SlotLM, a greedy chain
+    one compiled call, a sampled chain's forwards one each (trees eager, over the same
+    cache)."""
 
     uses_target_hidden = False
 
@@ -279,6 +280,11 @@ class ModelDraft:
         self.failures = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
 
     def propose(self, k, sampling, history, generator=None):
+        if (isinstance(self.lm, SlotLM) and sampling.temperature == 0 and k > 1
+                and not self.failures.any()):
+            chain = self._compiled_chain(k)
+            if chain is not None:
+                return chain
         logits = self.lm.extend(self.pending, self.pending_valid, last_only=True)[:, -1]  # [B, V]
         tokens, probs, scores = [], [], []
         for i in range(k):
@@ -300,6 +306,25 @@ class ModelDraft:
         self.draft_logits = torch.stack(scores, 1)  # [B, k, V or Vd]
         self.fed = k - 1  # the draft fed x_1..x_{k-1} to itself, never x_k
         probs = torch.stack(probs, 1)
+        if self.vocabulary is not None:
+            probs = self.vocabulary.probs(probs)
+        return self.tokens, probs  # [B, k], [B, k, V]
+
+    def _compiled_chain(self, k: int):
+        """A greedy chain of k as one compiled call (SlotLM.chain) -> tokens [B, k], the one-hot
+        q [B, k, V]; None, with the cache as it was, where a logit is not finite: the eager
+        loop then drafts the chain with its uniform fallback."""
+        length, position = self.lm.slots.length, self.lm.next_position
+        ids = None if self.vocabulary is None else self.vocabulary.ids
+        drafted, logits = self.lm.chain(self.pending, self.pending_valid, k, ids)
+        if not torch.isfinite(logits).all():
+            self.lm.rewind(length, position)
+            return None
+        self.tokens = drafted if ids is None else ids[drafted]  # [B, k] target ids
+        self.draft_logits = logits  # [B, k, V or Vd]
+        self.fed = k - 1
+        probs = torch.zeros(*self.tokens.shape, logits.shape[-1], device=logits.device)
+        probs.scatter_(-1, drafted[..., None], 1.0)  # one-hot q: greedy drafting
         if self.vocabulary is not None:
             probs = self.vocabulary.probs(probs)
         return self.tokens, probs  # [B, k], [B, k, V]

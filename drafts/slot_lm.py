@@ -10,10 +10,11 @@ extend_tree, drop_tree) so that the independent and PARD drafts run either. With
 prefill and every extension are one torch.compile'd call that sees the cache as its whole
 buffers (the first slot written passed as a tensor, the capacity and the number of tokens
 dynamic dimensions, slots written in place), so that two or three compilations serve every
-step of every k: a chain of k is k calls, the tokens chosen between them eager. Trees run the
-same functions eager. Inductor may fuse and round differently from eager, so a compiled draft
-can propose another token in a near tie; verification reads the draft's own logits as they
-are, so decoding stays lossless either way.
+step; a greedy chain of k (the pending tokens, then k - 1 drafted ones, each chosen by argmax)
+is one more compiled call, one per k. Trees run the same functions eager. Inductor may fuse
+and round differently from eager, so a compiled draft can propose another token in a near
+tie; verification reads the draft's own logits as they are, so decoding stays lossless either
+way.
 
 Architectures: Llama, Qwen2, Qwen3 (its q/k norms) and Mistral without a sliding window, the
 families whose decoder layer is RMSNorm, rotary GQA attention and a gated MLP; others, and any
@@ -197,6 +198,63 @@ class SlotLM:
         mask.index_copy_(1, index, valid)
         hidden = self.decoder.forward(tokens, cos, sin, keys, values, index, visible(mask, index))
         return self.decoder.logits(hidden[:, -1:] if last_only else hidden)
+
+    @torch.no_grad()
+    def chain(self, tokens: torch.Tensor, valid: torch.Tensor, k: int,
+              ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy chain of k >= 2 as one compiled call: the pending tokens [B, t] (valid
+        [B, t]) enter the cache, then the k - 1 first drafted tokens (the last one is never
+        fed); ids [Vd] maps a draft vocabulary's index to the target id the LM embeds (None:
+        the full vocabulary) -> drafted indices [B, k] (into the head's rows), their logits
+        [B, k, V or Vd]."""
+        slots, t = self.slots, tokens.shape[1]
+        start = slots.length
+        slots.reserve(t + k - 1)
+        steps = valid.long()
+        positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
+        following = self.next_position[:, None] + steps.sum(1, keepdim=True) + torch.arange(
+            k - 1, device=tokens.device)  # [B, k - 1] the drafted tokens' positions
+        limit = start + t + k - 1
+        cos, sin = self.decoder.cos_sin(self.decoder.final[0], positions, limit)
+        chain_cos, chain_sin = self.decoder.cos_sin(self.decoder.final[0], following, limit)
+        tokens, valid = (x.clone(memory_format=torch.contiguous_format) for x in (tokens, valid))
+        args = (tokens, valid, *self._buffers(), self._slot(start, tokens), cos, sin,
+                chain_cos, chain_sin, ids)
+        if self.steps is None:
+            out = self._chain(*args)
+        else:
+            name = f"chain {k}"  # k is a constant of its code: each k compiles its own copy
+            if name not in self.steps:
+                self.steps.add(name, self._chain, fixed=True)
+            _dynamic_width(tokens, valid, cos, sin)
+            out = self.steps(name, *args)
+        slots.length += t + k - 1
+        self.next_position = self.next_position + steps.sum(1) + k - 1
+        return out
+
+    def _chain(self, tokens, valid, keys, values, mask, start, cos, sin, chain_cos, chain_sin,
+               ids):
+        """chain's static form: the pending tokens [B, t] through _extend, then k - 1 drafted
+        tokens (rotary chain_cos, chain_sin [B, 1, k - 1, d]: a static shape) one at a time
+        at the slots after them -> drafted indices [B, k], logits [B, k, V or Vd]."""
+        logits = self._extend(tokens, valid, keys, values, mask, start, cos, sin, True)[:, -1]
+        drafted, scores = [], [logits]
+        ones = valid.new_ones(valid.shape[0], 1)  # [B, 1]
+        for i in range(chain_cos.shape[2]):
+            drafted.append(logits.argmax(-1))  # [B] greedy, as draw() of a one-hot q
+            fed = drafted[-1] if ids is None else ids[drafted[-1]]
+            logits = self._extend(fed[:, None], ones, keys, values, mask,
+                                  start + tokens.shape[1] + i, chain_cos[:, :, i:i + 1],
+                                  chain_sin[:, :, i:i + 1], True)[:, -1]
+            scores.append(logits)
+        drafted.append(logits.argmax(-1))
+        return torch.stack(drafted, 1), torch.stack(scores, 1)
+
+    def rewind(self, length: int, next_position: torch.Tensor) -> None:
+        """Back to a cache of length slots whose rows' next positions are next_position [B]
+        (what the cache was before a chain): the later slots leave it."""
+        self.slots.crop(self.slots.length - length)
+        self.next_position = next_position
 
     def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The cache's whole buffers (keys, values per layer, the slot mask), their capacity

@@ -13,7 +13,7 @@ from drafts.independent import ModelDraft
 from drafts.pard import ParallelModelDraft
 from drafts.slot_lm import FusedDecoder, SlotLM
 from recipe import ConfigError
-from tests.decoding.test_engine import _noisy_copy, _prompts, _with_vocabulary
+from tests.decoding.test_engine import _noisy_copy, _prompts, _tiny, _with_vocabulary
 from tests.helpers import logged_chains, tiny_llama
 
 VOCAB, EOS = 256, 2
@@ -125,6 +125,34 @@ def test_slot_lm_chains_decode_the_targets_output(int8, k):
         assert torch.allclose(logits, hf_logits, atol=atol)
 
 
+def test_a_chain_with_non_finite_logits_is_drafted_again_eager():
+    """A greedy chain over SlotLM is one call (SlotLM.chain); where its logits are not finite
+    (a NaN in the head), the cache goes back to what it was and the eager loop drafts the chain
+    with its uniform fallback: the same chains, failure counts and output as over CachedLM."""
+    target = MODELS["llama"]()
+    _, ids, mask = _prompts([5, 17, 9])
+    model = _tiny(5)
+    model.lm_head.weight.data[0, 0] = float("nan")
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24), {EOS}).tokens
+    runs = {}
+    for lm in ("cached", "slot"):
+        draft = ModelDraft(model, compile=lm == "slot")
+        if lm == "slot":
+            draft.lm.steps = None  # eager
+            chain, calls = draft.lm.chain, []
+            draft.lm.chain = lambda *args: calls.append(args) or chain(*args)
+        chains = logged_chains(draft)
+        out = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=4), {EOS}, draft)
+        assert out.tokens == plain, lm
+        assert all(s.draft_failures == 1 for s in out.stats), lm
+        runs[lm] = chains
+    assert len(calls) == 1  # the first chain; once a row failed, chains run eager
+    assert len(runs["slot"]) == len(runs["cached"]) > 3
+    for (tokens, logits), (hf_tokens, hf_logits) in zip(runs["slot"], runs["cached"]):
+        assert torch.equal(tokens, hf_tokens)
+        assert torch.allclose(logits, hf_logits, atol=1e-4, equal_nan=True)
+
+
 def _pard_chains(target, model, compile: bool | None, k: int = 4):
     """A PARD draft (mask id 7) over CachedLM (compile False), SlotLM run eager (None) or
     compiled (True) -> its greedy output on three left-padded prompts and its chains."""
@@ -188,8 +216,8 @@ def test_slot_lm_refuses_what_it_cannot_run_exactly():
 
 @pytest.mark.slow  # inductor compiles a chain and PARD's extension (minutes on 2 CPU cores)
 def test_compiled_chains_draft_what_the_eager_draft_drafts():
-    """eval.draft_compile for an independent draft: each forward of a chain is one compiled
-    call, and the chains propose what the CachedLM draft proposes (the same tokens, logits
+    """eval.draft_compile for an independent draft: a greedy chain is one compiled call, and
+    the chains propose what the CachedLM draft proposes (the same tokens, logits
     within rounding) over left-padded rows (holes) and a row whose cache outgrows its first
     capacity; output stays the target's; a later engine run reuses the compiled code. The
     same for a PARD draft's compiled extension."""
@@ -207,6 +235,7 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
         if compile:
             assert draft.lm.slots.capacity > 256  # the long row grew the cache
             steps = draft.lm.steps
+            assert "chain 4" in steps
             again = ModelDraft(model, compile=True)
             generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), {EOS}, again)
             assert again.lm.steps is steps
