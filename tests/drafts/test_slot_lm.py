@@ -237,7 +237,7 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
             steps = draft.lm.steps
             assert "chain 4" in steps
             again = ModelDraft(model, compile=True)
-            generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), {EOS}, again)
+            generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=4), {EOS}, again)
             assert again.lm.steps is steps
     assert len(runs[True]) == len(runs[False]) > 10
     for (tokens, logits), (eager_tokens, eager_logits) in zip(runs[True], runs[False]):
