@@ -379,12 +379,14 @@ class EvalConfig(DecodeSettings):
     draft_compile: bool = False
     """Run the draft's steps compiled (torch.compile; inductor's C++ wrapper on a CPU): an
     EAGLE-3 head's greedy chains and its settling after each verification
-    (drafts/eagle3/compiled.py), every forward of an independent draft's chains and a PARD
-    draft's forward over its masks (Llama, Qwen2, Qwen3 and Mistral drafts without a sliding
-    window: drafts/slot_lm.py), which cuts the per-operator overhead of a step
-    (docs/scaling-and-hardware.md). The first steps of a run compile (tens of seconds on a
-    CPU, again for a new batch size or chunk length); trees, and an EAGLE-3 head's sampled
-    chains, run eager."""
+    (drafts/eagle3/compiled.py), an independent draft's greedy chain as one call and every
+    forward of its sampled chains, and a PARD draft's forward over its masks (Llama, Qwen2,
+    Qwen3 and Mistral drafts without a sliding window: drafts/slot_lm.py), which cuts the
+    per-operator overhead of a step (docs/scaling-and-hardware.md). The first steps of a run
+    compile (tens of seconds on a CPU, about 1.5 minutes per k for a 6-layer draft's chain on a
+    2-core AVX2 CPU, so an adaptive k compiles each new k when first drafted; again for a new
+    batch size or chunk length; cached by inductor on disk); trees, and an EAGLE-3 head's
+    sampled chains, run eager."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
