@@ -1,0 +1,106 @@
+"""Benchmark: what one drafted token's matrix products cost per weight format, on this CPU.
+
+    .venv/bin/python -m benchmarks.weight_formats [--layers 6] [--vocab 8192] [--repeats 50]
+
+An independent draft's token is its layers' products (q/k/v one product, o, gate/up one, down)
+and its head's (--vocab rows); their cost bounds how cheap a draft step can get. This takes
+those matrices from the embedded target (its first --layers layers, the first --vocab rows of
+its head), one token's activations, and times the products alone (no attention, norms or
+Python between them: drafts/slot_lm.py adds those) in each weight format: fp32, bf16, fp16
+(torch's matmul), int8 per output row on bf16 activations (decoding/int8.py's Int8Linear, what
+eval.draft_int8 runs) and int4 in groups of 32 (torch._weight_int4pack_mm_for_cpu, which no
+draft runs yet). "warm": the pass repeated, its weights in cache where they fit; "cold": a
+256 MB buffer swept before each pass, as a target forward evicts the draft's weights between
+draft steps. Medians in ms per pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from assets.target import load_target, resolve_target
+from decoding.int8 import Int8Linear
+from recipe import ModelConfig
+
+GROUP = 32  # int4 weights: one scale and zero per 32 inputs of a row
+
+
+def draft_matrices(target, layers: int, vocab: int) -> list[torch.Tensor]:
+    """The fp32 weights [N, K] one drafted token multiplies: per layer qkv, o, gate_up, down;
+    then the head's first vocab rows."""
+    out = []
+    for layer in target.model.layers[:layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                attn.o_proj.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                mlp.down_proj.weight]
+    return [w.detach().float().contiguous() for w in out] + [
+        target.get_output_embeddings().weight[:vocab].detach().float().contiguous()]
+
+
+def int4_product(weight: torch.Tensor):
+    """weight [N, K] -> x [1, K] bf16 -> [1, N]: asymmetric int4 per group of GROUP inputs."""
+    n, k = weight.shape
+    groups = weight.view(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
+    scale_zero = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    scale_zero = scale_zero.to(torch.bfloat16)  # [K / GROUP, N, 2]
+    return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
+
+
+def products(weights: list[torch.Tensor], form: str):
+    """The token's products in one format -> (a function of the activations per K, their
+    dtype)."""
+    if form in ("fp32", "bf16", "fp16"):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[form]
+        cast = [w.to(dtype) for w in weights]
+        return [lambda x, w=w: x @ w.t() for w in cast], dtype
+    if form == "int8":
+        return [Int8Linear.quantise(w) for w in weights], torch.bfloat16
+    return [int4_product(w) for w in weights], torch.bfloat16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
+    weights = draft_matrices(target, args.layers, args.vocab)
+    del target
+    megabytes = sum(w.numel() for w in weights) / 1e6
+    sweep = torch.zeros(64_000_000)  # 256 MB: evicts any cache
+    print(f"one token through {args.layers} layers and a {args.vocab}-row head: "
+          f"{len(weights)} products, {megabytes:.1f} M weights; torch threads "
+          f"{torch.get_num_threads()}; medians of {args.repeats}")
+    print("| format | weight MB | warm ms | cold ms |\n|---|---|---|---|")
+    for form, width in (("fp32", 4), ("bf16", 2), ("fp16", 2), ("int8", 1), ("int4", 0.5)):
+        fns, dtype = products(weights, form)
+        inputs = [torch.randn(1, w.shape[1]).to(dtype) for w in weights]
+
+        def run():
+            start = time.perf_counter()
+            for fn, x in zip(fns, inputs):
+                fn(x)
+            return (time.perf_counter() - start) * 1e3
+
+        for _ in range(5):
+            run()
+        warm = statistics.median(run() for _ in range(args.repeats))
+        cold = []
+        for _ in range(args.repeats):
+            sweep.add_(1.0)
+            cold.append(run())
+        print(f"| {form} | {megabytes * width:.0f} | {warm:.2f} | {statistics.median(cold):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
