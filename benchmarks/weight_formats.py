@@ -49,9 +49,10 @@ def int4_product(weight: torch.Tensor):
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scale = ((high - low) / 15).clamp(min=1e-8)
     q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-    scale_zero = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
     packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    scale_zero = scale_zero.to(torch.bfloat16)  # [K / GROUP, N, 2]
+    # [K / GROUP, N, 2]: the kernel computes (q - 8) * scale + zero
+    scale_zero = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(
+        torch.bfloat16)
     return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
 
 
