@@ -6,8 +6,8 @@
 
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
 scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
-the draft on int8 weights (eval.draft_int8: decoding/int8.py, Int8Linear), e.g. eagle3+int8,
-independent@8192+int8; +compile with compiled steps (eval.draft_compile; EAGLE-3,
+the draft on int8 weights, +int4 on int4 weights (eval.draft_weights: decoding/quantise.py),
+e.g. eagle3+int8, independent@8192+int4; +compile with compiled steps (eval.draft_compile; EAGLE-3,
 independent and PARD drafts), e.g. eagle3+int8+compile, whose compilation runs before the
 timed steps.
 
@@ -49,7 +49,7 @@ KINDS = ("independent", "medusa", "eagle3", "dflash", "pard")
 
 
 def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtype, device,
-                int8: bool = False, compile: bool = False):
+                weights: str = "model", compile: bool = False):
     """The recipe's draft of this kind, untrained, saved to folder and loaded as eval does."""
     from train.data import Example
     from train.loop import check_train_config
@@ -57,7 +57,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     kind, _, vocabulary = kind.partition("@")
     cfg = load_config(ROOT / "configs" / f"smollm2-135m-{kind}.yaml", [])
     if kind == "independent":  # a spec, not a folder: the target's first layers
-        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, int8, compile)
+        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, weights, compile)
         if vocabulary:
             loaded.model.config.draft_vocabulary = list(range(int(vocabulary)))
             loaded.name += f", draft vocabulary {vocabulary}"
@@ -70,7 +70,7 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     draft = draft_kind.build(tcfg, target, tokenizer, rows, lambda *a: None)
     draft.eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return load_draft(str(folder), target, tokenizer, dtype, device, int8, compile)
+    return load_draft(str(folder), target, tokenizer, dtype, device, weights, compile)
 
 
 def forward_ms(target, prompt: list[int], repeats: int = 20) -> float:
@@ -157,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         drafts = {}  # kind -> (loaded, engine draft, largest k)
         for kind in args.kinds.split(","):
             built, *options = kind.split("+")
-            if set(options) - {"int8", "compile"}:
-                raise SystemExit(f"--kinds {kind}: the options are +int8 and +compile "
-                                 "(eagle3+int8+compile).")
+            formats = [o for o in options if o in ("int8", "int4")]
+            if set(options) - {"int8", "int4", "compile"} or len(formats) > 1:
+                raise SystemExit(f"--kinds {kind}: the options are one of +int8 and +int4, "
+                                 "and +compile (eagle3+int8+compile).")
             loaded = build_draft(built, target, tokenizer, prompts, Path(tmp) / kind, dtype,
-                                 device, int8="int8" in options, compile="compile" in options)
+                                 device, (formats or ["model"])[0], "compile" in options)
             draft = engine_draft(loaded)
             top_k = min(args.k_max, loaded.max_k or args.k_max)
             if "compile" in options:  # the first steps compile: not a step's cost

@@ -7,11 +7,11 @@ and its head's (--vocab rows); their cost bounds how cheap a draft step can get.
 those matrices from the embedded target (its first --layers layers, the first --vocab rows of
 its head), one token's activations, and times the products alone (no attention, norms or
 Python between them: drafts/slot_lm.py adds those) in each weight format: fp32, bf16, fp16
-(torch's matmul), int8 per output row on bf16 activations (decoding/int8.py's Int8Linear, what
-eval.draft_int8 runs) and int4 in groups of 32 (torch._weight_int4pack_mm_for_cpu, which no
-draft runs yet). "warm": the pass repeated, its weights in cache where they fit; "cold": a
-256 MB buffer swept before each pass, as a target forward evicts the draft's weights between
-draft steps. Medians in ms per pass.
+(torch's matmul), and on bf16 activations int8 per output row and int4 in groups of 32
+(decoding/quantise.py's Int8Linear and Int4Linear: eval.draft_weights=int8 and int4).
+"warm": the pass repeated, its weights in cache where they fit; "cold": a 256 MB buffer
+swept before each pass, as a target forward evicts the draft's weights between draft steps.
+Medians in ms per pass.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import time
 import torch
 
 from assets.target import load_target, resolve_target
-from decoding.int8 import Int8Linear
+from decoding.quantise import Int4Linear, Int8Linear
 from recipe import ModelConfig
-
-GROUP = 32  # int4 weights: one scale and zero per 32 inputs of a row
 
 
 def draft_matrices(target, layers: int, vocab: int) -> list[torch.Tensor]:
@@ -42,20 +40,6 @@ def draft_matrices(target, layers: int, vocab: int) -> list[torch.Tensor]:
         target.get_output_embeddings().weight[:vocab].detach().float().contiguous()]
 
 
-def int4_product(weight: torch.Tensor):
-    """weight [N, K] -> x [1, K] bf16 -> [1, N]: asymmetric int4 per group of GROUP inputs."""
-    n, k = weight.shape
-    groups = weight.view(n, k // GROUP, GROUP)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-8)
-    q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(n, k)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-    # [K / GROUP, N, 2]: the kernel computes (q - 8) * scale + zero
-    scale_zero = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(
-        torch.bfloat16)
-    return lambda x: torch._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
-
-
 def products(weights: list[torch.Tensor], form: str):
     """The token's products in one format -> (a function of the activations per K, their
     dtype)."""
@@ -63,9 +47,8 @@ def products(weights: list[torch.Tensor], form: str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[form]
         cast = [w.to(dtype) for w in weights]
         return [lambda x, w=w: x @ w.t() for w in cast], dtype
-    if form == "int8":
-        return [Int8Linear.quantise(w) for w in weights], torch.bfloat16
-    return [int4_product(w) for w in weights], torch.bfloat16
+    form = {"int8": Int8Linear, "int4": Int4Linear}[form]
+    return [form.quantise(w) for w in weights], torch.bfloat16
 
 
 def main() -> None:

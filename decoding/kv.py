@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from decoding.int8 import Int8Linear
+from decoding.quantise import QUANTISED
 
 
 def head_rows(head: nn.Module, rows: torch.Tensor) -> nn.Module:
-    """An output head (nn.Linear, or Int8Linear for a draft on int8 weights) restricted to
-    the output rows [Vd] (a draft vocabulary's ids, on the head's device), weights copied."""
-    if isinstance(head, Int8Linear):
+    """An output head (nn.Linear, or a decoding.quantise layer for a draft on quantised
+    weights) restricted to the output rows [Vd] (a draft vocabulary's ids, on the head's
+    device), weights copied."""
+    if isinstance(head, QUANTISED):
         return head.rows(rows)
     out = nn.Linear(head.weight.shape[1], len(rows), head.bias is not None, head.weight.device,
                     head.weight.dtype).requires_grad_(False)
@@ -78,7 +79,7 @@ class CachedLM:
         out = self.model.get_decoder()(**kwargs)
         self.hidden_states = out.hidden_states
         hidden = out.last_hidden_state[:, -1:] if last_only else out.last_hidden_state
-        if isinstance(self.head, nn.Linear):  # Int8Linear takes any dtype
+        if isinstance(self.head, nn.Linear):  # quantised layers take any dtype
             hidden = hidden.to(self.head.weight.dtype)
         return self.head(hidden)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.int8 import Int8Linear
+from decoding.quantise import QUANTISED
 from recipe import ConfigError, cache_root
 
 
@@ -24,19 +24,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def fuse_linears(linears: list[nn.Module]):
     """Linears over one input -> one product whose output is theirs concatenated: nn.Linear
-    weights (and biases, zeros where a layer has none) stacked, or Int8Linear rows with their
-    per-row scales (decoding/int8.py: stacking rows keeps every row's quantisation)."""
-    if all(isinstance(linear, Int8Linear) for linear in linears):
-        biases = [linear.bias for linear in linears]
-        bias = None if all(b is None for b in biases) else torch.cat([
-            torch.zeros(linear.out_features, dtype=torch.float32,
-                        device=linear.qweight.device) if b is None else b.float()
-            for linear, b in zip(linears, biases)])
-        return Int8Linear(torch.cat([linear.qweight for linear in linears]),
-                          torch.cat([linear.scale for linear in linears]), bias)
+    weights (and biases, zeros where a layer has none) stacked, or quantised layers of one
+    format with their rows stacked (decoding/quantise.py: each row keeps its quantisation)."""
+    for form in QUANTISED:
+        if all(type(linear) is form for linear in linears):
+            biases = [linear.bias for linear in linears]
+            bias = None if all(b is None for b in biases) else torch.cat([
+                torch.zeros(linear.out_features, dtype=torch.float32,
+                            device=linear.scale.device) if b is None else b.float()
+                for linear, b in zip(linears, biases)])
+            return form.cat(linears, bias)
     if not all(isinstance(linear, nn.Linear) for linear in linears):
-        raise TypeError("fuse_linears: nn.Linear or Int8Linear layers, not a mix: "
-                        f"{[type(linear).__name__ for linear in linears]}")
+        raise TypeError("fuse_linears: nn.Linear layers or quantised layers of one format, "
+                        f"not a mix: {[type(linear).__name__ for linear in linears]}")
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
         biases = [linear.bias for linear in linears]

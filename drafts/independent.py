@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from assets.published import layer_parameters
-from decoding.int8 import int8_copy
 from decoding.kv import CachedLM
+from decoding.quantise import quantised_copy
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
@@ -164,7 +164,7 @@ def draft_vocabulary(model) -> DraftVocabulary | None:
     ids = getattr(getattr(model, "config", None), "draft_vocabulary", None)
     if not ids:
         return None
-    rows = model.get_output_embeddings().out_features  # nn.Linear's, or decoding.int8's
+    rows = model.get_output_embeddings().out_features  # nn.Linear's, or decoding.quantise's
     return DraftVocabulary(torch.tensor(ids), rows).to(model.device)
 
 
@@ -401,7 +401,7 @@ class Independent:
     name, description = "independent", "an independent draft model"
     train_keys = ("draft_vocab_size",)
     formats = ("vllm",)
-    hf_assistant, int8_weights = True, True
+    hf_assistant, quantised_weights = True, True
     compiled_steps = True
 
     def claims(self, spec: str) -> bool:
@@ -506,8 +506,8 @@ class Independent:
         name = spec if vocabulary is None else f"{spec} (draft vocabulary {len(vocabulary.ids)})"
         return LoadedDraft(name, self, draft)
 
-    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
-        return replace(loaded, model=int8_copy(loaded.model))
+    def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
+        return replace(loaded, model=quantised_copy(loaded.model, weights))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ModelDraft:
         return ModelDraft(loaded.model, name, loaded.compile)

@@ -54,8 +54,9 @@ class LoadedDraft:
     """The most draft tokens it proposes per step; None: no limit."""
     max_k_unit: str = "draft positions"
     """What max_k counts, for messages (Medusa: 'heads', one token each)."""
-    int8: bool = False
-    """It drafts on int8 weights (registry.load_draft(..., int8=True), DraftKind.int8)."""
+    weights: str = "model"
+    """The weights it drafts on: 'model' (its own dtype), 'int8' or 'int4'
+    (registry.load_draft(..., weights=...), DraftKind.quantise)."""
     compile: bool = False
     """Its engine draft runs compiled steps (registry.load_draft(..., compile=True))."""
 
@@ -71,10 +72,10 @@ class DraftKind(Protocol):
     engines serve a kind, and how, each serving engine says (serving/engines/)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
-    int8_weights: bool
-    """Its engine draft can run its matrix products on int8 weights per output row
-    (decoding.int8: a cheaper step; verification reads the quantised draft's own
-    probabilities, so decoding stays lossless and only acceptance may move): see int8."""
+    quantised_weights: bool
+    """Its engine draft can run its matrix products on int8 or int4 weights
+    (decoding/quantise.py: a cheaper step; verification reads the quantised draft's own
+    probabilities, so decoding stays lossless and only acceptance may move): see quantise."""
     compiled_steps: bool
     """Its engine draft can run its steps compiled (torch.compile: eval.draft_compile), the
     same arithmetic in fewer, fused kernels."""
@@ -116,8 +117,9 @@ class DraftKind(Protocol):
              device: torch.device) -> LoadedDraft:
         """A saved folder, hub id or spec -> a draft checked against the target."""
 
-    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
-        """The loaded draft on int8 weights, quantised once (kinds with int8_weights only)."""
+    def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
+        """The loaded draft on weights 'int8' or 'int4', quantised once (kinds with
+        quantised_weights only)."""
 
     def engine_draft(self, loaded: LoadedDraft, name: str):
         """A fresh decoding.engine.Draft for one engine run."""

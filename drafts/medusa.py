@@ -203,7 +203,7 @@ class Medusa:
 
     name, description, formats = "medusa", "Medusa heads", ("vllm",)
     train_keys = ("head_decay",)
-    hf_assistant, int8_weights = False, False
+    hf_assistant, quantised_weights = False, False
     compiled_steps = False
 
     def claims(self, spec: str) -> bool:

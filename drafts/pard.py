@@ -19,8 +19,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from decoding.int8 import int8_copy
 from decoding.kv import CachedLM
+from decoding.quantise import quantised_copy
 from decoding.speculative import draw, sampling_probs
 from drafts.folders import read_config
 from drafts.independent import (
@@ -143,7 +143,7 @@ class Pard:
                   "draft_vocab_size")
     formats = ("vllm",)
     hf_assistant = False  # transformers would run it one token at a time, without its masks
-    int8_weights = True
+    quantised_weights = True
     compiled_steps = True
 
     def claims(self, spec: str) -> bool:
@@ -203,8 +203,8 @@ class Pard:
         return LoadedDraft(f"{spec} (PARD, trained for k <= {k})", self, draft, max_k=k,
                            max_k_unit="trained parallel positions")
 
-    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
-        return dataclasses.replace(loaded, model=int8_copy(loaded.model))
+    def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
+        return dataclasses.replace(loaded, model=quantised_copy(loaded.model, weights))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> ParallelModelDraft:
         return ParallelModelDraft(loaded.model, loaded.model.config.pard_token, name,

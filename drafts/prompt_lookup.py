@@ -56,7 +56,7 @@ class PromptLookup:
 
     name, description, formats = "prompt-lookup", "prompt lookup", ()
     train_keys = ()
-    hf_assistant, int8_weights = False, False
+    hf_assistant, quantised_weights = False, False
     compiled_steps = False
 
     def claims(self, spec: str) -> bool:

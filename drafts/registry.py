@@ -22,6 +22,7 @@ from drafts.medusa import Medusa
 from drafts.pard import Pard
 from drafts.prompt_lookup import PromptLookup
 from recipe import Config, ConfigError, TrainConfig
+from recipe.config import DRAFT_WEIGHTS
 
 KINDS: list[DraftKind] = [
     Medusa(),
@@ -67,24 +68,27 @@ def check_target_config(cfg: Config, kind: DraftKind) -> None:
 
 
 def load_draft(spec: str, target, tokenizer, dtype: torch.dtype, device: torch.device,
-               int8: bool = False, compile: bool = False) -> LoadedDraft:
+               weights: str = "model", compile: bool = False) -> LoadedDraft:
     """A draft spec or folder -> the draft, checked against the target, of whatever kind;
-    int8: its engine drafts with int8 weights, compile: with compiled steps (each refused for
-    kinds that cannot)."""
+    weights: 'model' (the draft's own dtype), or the 'int8' or 'int4' weights its engine drafts
+    with; compile: with compiled steps (each refused for kinds that cannot)."""
     kind = kind_of(spec)
     if compile and not kind.compiled_steps:
         able = [k.name for k in KINDS if k.compiled_steps]
         raise ConfigError(f"compiled draft steps: {spec!r} is a {kind.name} draft, and only "
                           f"{', '.join(able)} drafts run compiled: set "
                           "eval.draft_compile=false for it.")
-    if int8 and not kind.int8_weights:
-        able = [k.name for k in KINDS if k.int8_weights]
-        raise ConfigError(f"int8 draft weights: {spec!r} is a {kind.name} draft, and only "
-                          f"{', '.join(able)} drafts run on int8 weights: set "
-                          "eval.draft_int8=false for it.")
+    if weights not in DRAFT_WEIGHTS:
+        raise ConfigError(f"draft weights {weights!r}: expected one of {DRAFT_WEIGHTS}.")
+    if weights != "model" and not kind.quantised_weights:
+        able = [k.name for k in KINDS if k.quantised_weights]
+        raise ConfigError(f"{weights} draft weights: {spec!r} is a {kind.name} draft, and only "
+                          f"{', '.join(able)} drafts run on quantised weights: set "
+                          "eval.draft_weights=model for it.")
     loaded = kind.load(spec, target, tokenizer, dtype, device)
-    if int8:
-        loaded = replace(kind.int8(loaded), int8=True, name=f"{loaded.name} on int8 weights")
+    if weights != "model":
+        loaded = replace(kind.quantise(loaded, weights), weights=weights,
+                         name=f"{loaded.name} on {weights} weights")
     if compile:
         loaded = replace(loaded, compile=True, name=f"{loaded.name}, compiled")
         engine_draft(loaded)  # a draft compiled steps cannot run is refused before generating

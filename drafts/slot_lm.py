@@ -54,9 +54,9 @@ def check_slot_lm(model) -> None:
 
 class FusedDecoder:
     """The model's weights in the forms a step runs: per layer q/k/v one product, gate and up
-    one (Int8Linear rows when the model runs on int8 weights), norms as (weight, eps); the head
-    restricted to a draft vocabulary's rows. Weights are shared or copied when made: a model
-    trained further needs a new FusedDecoder."""
+    one (decoding.quantise layers when the model runs on quantised weights), norms as
+    (weight, eps); the head restricted to a draft vocabulary's rows. Weights are shared or
+    copied when made: a model trained further needs a new FusedDecoder."""
 
     def __init__(self, model, vocabulary: torch.Tensor | None = None):
         check_slot_lm(model)
@@ -111,7 +111,7 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V], or [..., Vd] with a draft vocabulary."""
-        if isinstance(self.head, nn.Linear):  # Int8Linear takes any dtype
+        if isinstance(self.head, nn.Linear):  # quantised layers take any dtype
             hidden = hidden.to(self.head.weight.dtype)
         return self.head(hidden)
 

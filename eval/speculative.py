@@ -257,7 +257,7 @@ def _load(cfg: Config, device: torch.device):
         if not (Path(spec) / "config.json").is_file():
             raise ConfigError(f"eval.draft=trained, but {spec} holds no trained draft: run the "
                               "train stage first (distill.py --stage train).")
-    draft = (load_draft(spec, target, tokenizer, target.dtype, device, cfg.eval.draft_int8,
+    draft = (load_draft(spec, target, tokenizer, target.dtype, device, cfg.eval.draft_weights,
                         cfg.eval.draft_compile) if spec else None)
     if draft is not None:
         check_k_fits(draft, cfg.eval)
@@ -273,7 +273,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     others = {}  # eval.compare_drafts, loaded and checked before anything runs
     for spec in ev.compare_drafts:
-        other = load_draft(spec, target, tokenizer, target.dtype, device, ev.draft_int8,
+        other = load_draft(spec, target, tokenizer, target.dtype, device, ev.draft_weights,
                            ev.draft_compile)
         check_k_fits(other, ev)
         others[f"speculative:{draft_label(spec)}"] = other

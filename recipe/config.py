@@ -355,6 +355,7 @@ class DecodeSettings:
 
 EVAL_METHODS = ("target", "hf_generate", "speculative", "hf_assisted", "prompt_lookup")
 EVAL_MODES = ("chain", "tree", "hybrid")
+DRAFT_WEIGHTS = ("model", "int8", "int4")  # eval.draft_weights
 
 
 @dataclass
@@ -371,11 +372,13 @@ class EvalConfig(DecodeSettings):
     """More drafts measured by our engine in the same run, each as method 'speculative:<label>'
     (label: the run name for a <run>/train/draft folder, else the folder name): e.g. an
     independent draft next to Medusa heads. Same kinds of spec as draft, except 'trained'."""
-    draft_int8: bool = False
-    """Draft on int8 weights per output row, multiplied on bf16 activations (decoding/int8.py;
-    EAGLE-3, DFlash, independent and PARD drafts; eval.draft, eval.compare_drafts and what
-    serve serves): a cheaper draft step, still lossless, as verification reads the quantised
-    draft's own probabilities; acceptance may move a little."""
+    draft_weights: str = "model"
+    """The weights the draft's products run on (EAGLE-3, DFlash, independent and PARD drafts;
+    eval.draft, eval.compare_drafts and what serve serves): 'model' (the draft's own dtype),
+    'int8' (per output row) or 'int4' (per group of 32 inputs; a CPU kernel), each multiplied
+    on bf16 activations (decoding/quantise.py). A cheaper draft step, still lossless, as
+    verification reads the quantised draft's own probabilities; acceptance may move a little
+    with int8 and more with int4 (docs/evaluation.md measures both)."""
     draft_compile: bool = False
     """Run the draft's steps compiled (torch.compile; inductor's C++ wrapper on a CPU): an
     EAGLE-3 head's greedy chains and its settling after each verification
@@ -412,6 +415,9 @@ class EvalConfig(DecodeSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ConfigError(f"eval.draft_weights={self.draft_weights!r}: choose from "
+                              f"{list(DRAFT_WEIGHTS)}.")
         bad = [m for m in self.modes if m not in EVAL_MODES]
         if bad or not self.modes or len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"eval.modes={self.modes}: give distinct modes from "

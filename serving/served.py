@@ -38,14 +38,14 @@ class Served:
         trained = run_folder(cfg).draft
         if (trained / "config.json").is_file():
             self.drafts[cfg.run.name] = load_draft(str(trained), self.target, self.tokenizer,
-                                                   dtype, device, cfg.eval.draft_int8,
+                                                   dtype, device, cfg.eval.draft_weights,
                                                    cfg.eval.draft_compile)
         for name, spec in extra_drafts.items():
             if name == NGRAM or name in self.drafts:
                 raise ConfigError(f"--draft {name}=...: the name {name!r} is taken (the run's "
                                   f"trained draft or 'ngram'): choose another.")
             self.drafts[name] = load_draft(spec, self.target, self.tokenizer, dtype, device,
-                                           cfg.eval.draft_int8, cfg.eval.draft_compile)
+                                           cfg.eval.draft_weights, cfg.eval.draft_compile)
         self.default_draft = next(iter(self.drafts), None)
         self.drafts[NGRAM] = load_draft("prompt-lookup", self.target, self.tokenizer, dtype,
                                         device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from assets.published import layer_parameters
-from decoding.int8 import int8_copy
+from decoding.quantise import quantised_copy
 from drafts.dflash.engine import DFlashDraft
 from drafts.dflash.head import (
     DFlashForTraining,
@@ -54,7 +54,7 @@ class DFlash:
     train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
                   "block_starts", "mask_token_id", "head_init")
     formats = ("vllm",)
-    hf_assistant, int8_weights = False, True
+    hf_assistant, quantised_weights = False, True
     compiled_steps = False
 
     def claims(self, spec: str) -> bool:
@@ -120,10 +120,11 @@ class DFlash:
                            DFlashModel(head, target.get_input_embeddings()),
                            max_k=head.block_size, max_k_unit="trained block positions")
 
-    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
+    def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
         # fc stays: it maps the target's features once per verified token, and its dtype is
         # the head's working dtype
-        return replace(loaded, model=DFlashModel(int8_copy(loaded.model.head, skip=("fc",)),
+        return replace(loaded, model=DFlashModel(quantised_copy(loaded.model.head, weights,
+                                                                skip=("fc",)),
                                                  loaded.model.embedding))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> DFlashDraft:

@@ -40,7 +40,7 @@ class Eagle3:
     train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
                   "feature_noise", "head_init")
     formats = ("vllm", "speculators")
-    hf_assistant, int8_weights = False, True
+    hf_assistant, quantised_weights = False, True
     compiled_steps = True
 
     def claims(self, spec: str) -> bool:
@@ -110,11 +110,11 @@ class Eagle3:
         return LoadedDraft(f"{spec} (EAGLE-3, draft vocabulary {head.draft_vocab_size})", self,
                            Eagle3Model(head, target.get_input_embeddings()))
 
-    def int8(self, loaded: LoadedDraft) -> LoadedDraft:
-        return loaded  # Eagle3Draft quantises the five matrices of its FusedLayer (loaded.int8)
+    def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
+        return loaded  # Eagle3Draft quantises the five matrices of its FusedLayer (loaded.weights)
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> Eagle3Draft:
-        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.int8,
+        return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.weights,
                            loaded.compile, loaded.model.layers)
 
     def check_export(self, draft_folder, k, target_shape) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoding.int8 import Int8Linear
+from decoding.quantise import quantise_linear
 from decoding.speculative import draw, sampling_probs
 from decoding.tree import grow_tree
 from drafts.eagle3.compiled import CompiledHead
@@ -27,21 +27,22 @@ class FusedLayer:
     torch's fused rms_norm, rotary cos/sin read from a table of positions. Same project /
     finish / logits as the head (the same arithmetic up to rounding: tests compare the two);
     weights are copied when made, so a head trained further needs a new FusedLayer
-    (Eagle3Draft.start makes one whenever the head's parameters changed). int8: the five
-    matrices of a step (q/k/v, o, gate/up, down, lm_head) as Int8Linear; the draft's q is then
+    (Eagle3Draft.start makes one whenever the head's parameters changed). weights 'int8' or
+    'int4': the five matrices of a step (q/k/v, o, gate/up, down, lm_head) quantised
+    (decoding/quantise.py); the draft's q is then
     the quantised head's, which verification reads as it is (lossless; acceptance is measured,
     not assumed)."""
 
-    def __init__(self, head: Eagle3Head, int8: bool = False):
+    def __init__(self, head: Eagle3Head, weights: str = "model"):
         layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
         with torch.no_grad():
-            weights = {
+            matrices = {
                 "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                 "o": attn.o_proj.weight,
                 "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
                 "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight}
-        linear = Int8Linear.quantise if int8 else (lambda weight: partial(F.linear, weight=weight))
-        self.linears = {name: linear(weight) for name, weight in weights.items()}
+        self.linears = {name: partial(F.linear, weight=weight) if weights == "model" else
+                        quantise_linear(weight, None, weights) for name, weight in matrices.items()}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
             ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
             ("post", layer.post_attention_layernorm), ("final", head.norm))}
@@ -201,8 +202,8 @@ class Eagle3Draft:
     failures = None
 
     def __init__(self, head: Eagle3Head, embedding: nn.Module, name: str = "eagle3",
-                 int8: bool = False, compile: bool = False, layers: dict | None = None):
-        self.head, self.embed, self.name, self.int8 = head, embedding, name, int8
+                 weights: str = "model", compile: bool = False, layers: dict | None = None):
+        self.head, self.embed, self.name, self.weights = head, embedding, name, weights
         self.compile, self.layers = compile, {} if layers is None else layers
         self.layer, self.compiled = None, None  # the FusedLayer, and its CompiledHead
         self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
@@ -218,12 +219,12 @@ class Eagle3Draft:
         batch = input_ids.shape[0]
         self.draft_ids = self.head.draft_to_target  # [Vd] target ids: once a batch, not a token
         self.cache = HeadCache(batch, self.head, input_ids.device)
-        made_from = (self.int8, self.compile,
+        made_from = (self.weights, self.compile,
                      tuple((p.data_ptr(), p._version) for p in self.head.parameters()))
         if made_from not in self.layers:  # new, or the head's weights changed (training's eval)
             for stale in [key for key in self.layers if key[2] != made_from[2]]:
                 del self.layers[stale]
-            layer = FusedLayer(self.head, self.int8)
+            layer = FusedLayer(self.head, self.weights)
             self.layers[made_from] = layer, CompiledHead(
                 layer, self.embed, self.head.fc, self.head.fc.weight.dtype,
                 input_ids.device) if self.compile else None

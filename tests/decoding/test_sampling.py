@@ -42,18 +42,19 @@ def target():
 
 def _draft(kind: str, target):
     torch.manual_seed(11)
-    kind, int8 = kind.removesuffix(", int8 weights"), kind.endswith(", int8 weights")
-    if int8 and not kind.startswith("eagle3"):  # the same draft, quantised by its kind's int8
-        draft = _draft(kind, target)
+    kind, _, weights = kind.partition(", weights ")
+    weights = weights or "model"
+    if weights != "model" and not kind.startswith("eagle3"):  # the same draft, quantised by
+        draft = _draft(kind, target)  # its kind's quantise
         if kind == "dflash":
-            draft.head = DFlash().int8(LoadedDraft("", DFlash(), DFlashModel(
-                draft.head, draft.embed))).model.head
+            draft.head = DFlash().quantise(LoadedDraft("", DFlash(), DFlashModel(
+                draft.head, draft.embed)), weights).model.head
         elif kind.startswith("pard"):
-            draft = ParallelModelDraft(Pard().int8(LoadedDraft("", Pard(), draft.model)).model,
-                                       mask_id=7)
+            draft = ParallelModelDraft(Pard().quantise(LoadedDraft("", Pard(), draft.model),
+                                                       weights).model, mask_id=7)
         else:
-            draft = ModelDraft(Independent().int8(LoadedDraft("", Independent(),
-                                                              draft.lm.model)).model)
+            draft = ModelDraft(Independent().quantise(LoadedDraft("", Independent(),
+                                                                  draft.lm.model), weights).model)
         return draft
     if kind == "independent":
         return ModelDraft(_tiny(5, layers=1))
@@ -67,7 +68,7 @@ def _draft(kind: str, target):
         head = Eagle3Head.from_target(target, [0, 1, 1], torch.tensor([0, 1, 2, 3, 5, 6]))
         with torch.no_grad():
             head.lm_head.weight.normal_(0, 0.5)
-        return Eagle3Draft(head.eval(), target.get_input_embeddings(), int8=int8)
+        return Eagle3Draft(head.eval(), target.get_input_embeddings(), weights=weights)
     if kind == "dflash":  # one block of K masks per step, from the target's context; its
         # start (the target's layer 1 and lm_head) made noisier so that both accept and reject
         head = DFlashHead.from_target(target, [1], 1, mask_token_id=7, block_size=K)
@@ -148,11 +149,13 @@ def test_every_draft_kind_samples_the_targets_distribution(target, kind, tempera
     assert pit_p_value(target, prompts, out.tokens, settings) > 1e-3
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "pard", "independent, draft vocabulary"])
-def test_drafts_on_int8_weights_sample_the_targets_distribution(target, kind):
-    """A draft on int8 weights proposes from its own quantised q, which verification reads:
-    the output follows the target's distribution as before (and trees rank with its scores)."""
-    prompts, out, settings = _sample(target, f"{kind}, int8 weights", 1.0,
+def test_drafts_on_quantised_weights_sample_the_targets_distribution(target, kind, weights):
+    """A draft on int8 or int4 weights proposes from its own quantised q, which verification
+    reads: the output follows the target's distribution as before (and trees rank with its
+    scores)."""
+    prompts, out, settings = _sample(target, f"{kind}, weights {weights}", 1.0,
                                      tree=kind == "eagle3", tree_nodes=8 if kind == "eagle3" else 0)
     accepted = sum(s.accepted for s in out.stats) / sum(s.drafted for s in out.stats)
     assert 0.02 < accepted < 0.98

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from decoding.engine import DecodeSettings, generate
-from decoding.int8 import Int8Linear
+from decoding.quantise import Int4Linear, Int8Linear
 from drafts.eagle3 import (
     IGNORE,
     Eagle3Draft,
@@ -147,20 +147,16 @@ def test_training_time_test_matches_the_serving_cache(target, fused):
                                       atol=1e-4), (p, j)
 
 
-def test_int8_weights_keep_the_head_close_and_the_output_the_targets(target):
-    """Int8Linear (per-row int8 weights, bf16 activations) stays within a few per cent of the
-    fp32 product; an int8 head drafts, and greedy output is still the target's; the draft
-    makes its FusedLayer again once the head's weights change."""
-    weight = torch.randn(48, 64)
-    x = torch.randn(3, 5, 64)
-    error = (Int8Linear.quantise(weight)(x) - x @ weight.T).abs().max() / (x @ weight.T).abs().max()
-    assert 0 < error < 0.03
+@pytest.mark.parametrize("weights, linear", [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_quantised_weights_keep_the_output_the_targets(target, weights, linear):
+    """A head on int8 or int4 weights drafts, and greedy output is still the target's; the
+    draft makes its FusedLayer again once the head's weights change."""
     prompts, ids, mask = _prompts([5, 11, 8])
     plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set())
-    draft = Eagle3Draft(_head(target), target.get_input_embeddings(), int8=True)
+    draft = Eagle3Draft(_head(target), target.get_input_embeddings(), weights=weights)
     spec = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set(), draft)
     assert spec.tokens == plain.tokens
-    assert isinstance(draft.layer.linears["lm_head"], Int8Linear)
+    assert all(isinstance(draft.layer.linears[name], linear) for name in draft.layer.linears)
     layer = draft.layer
     generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), set(), draft)
     assert draft.layer is layer  # unchanged weights: made once

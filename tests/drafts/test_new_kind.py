@@ -71,7 +71,7 @@ class UnigramDraft:
 class UnigramKind:
     name, description, formats = "unigram", "a unigram toy", ()
     train_keys = ()
-    hf_assistant, int8_weights = False, False
+    hf_assistant, quantised_weights = False, False
     compiled_steps = False
 
     def claims(self, spec):

@@ -63,10 +63,10 @@ def test_layer_truncated_draft_and_compare(peaked_target, tmp_path, capsys):
     assert result["identical"] and "texts are identical" in capsys.readouterr().out
 
 
-def test_drafts_on_int8_weights_are_measured_lossless(peaked_target, tmp_path):
-    """eval.draft_int8 drafts on int8 weights (an EAGLE-3 head, and an independent draft beside
-    it): the report says so, greedy output is still the target's; a kind that cannot is refused
-    before anything generates."""
+def test_drafts_on_int4_weights_are_measured_lossless(peaked_target, tmp_path):
+    """eval.draft_weights=int4 drafts on int4 weights (an EAGLE-3 head, and an independent draft
+    beside it): the report says so, greedy output is still the target's; a kind that cannot is
+    refused before anything generates."""
     from transformers import AutoModelForCausalLM
 
     from drafts.eagle3 import Eagle3Head
@@ -75,17 +75,17 @@ def test_drafts_on_int8_weights_are_measured_lossless(peaked_target, tmp_path):
     Eagle3Head.from_target(target, [0, 1, 1], torch.arange(0, target.config.vocab_size, 3)
                            ).save_pretrained(tmp_path / "head")
     cfg = _cfg(peaked_target, tmp_path, f"eval.draft={tmp_path / 'head'}", "eval.k=3",
-               "eval.draft_int8=true", "eval.methods=[target, speculative]",
+               "eval.draft_weights=int4", "eval.methods=[target, speculative]",
                "eval.compare_drafts=[layer-truncated:1]")
     report = evaluate(cfg, torch.device("cpu"))
-    assert report["draft"].endswith("on int8 weights")
+    assert report["draft"].endswith("on int4 weights")
     assert report["methods"]["speculative"]["identical_to_target"] == 3
     assert report["methods"]["speculative:layer-truncated:1"]["identical_to_target"] == 3
     with pytest.raises(ConfigError, match="prompt-lookup draft, and only eagle3, dflash, pard, "
-                                          "independent drafts run on int8 weights: set "
-                                          "eval.draft_int8=false"):
+                                          "independent drafts run on quantised weights: set "
+                                          "eval.draft_weights=model"):
         evaluate(_cfg(peaked_target, tmp_path, "eval.draft=prompt-lookup",
-                      "eval.draft_int8=true"), torch.device("cpu"))
+                      "eval.draft_weights=int4"), torch.device("cpu"))
     written = json.loads((tmp_path / "run" / "eval" / "results.json").read_text())
     assert written["draft"] == report["draft"]  # the refused run wrote nothing over it
 

@@ -188,16 +188,17 @@ def test_a_server_without_a_trained_draft_needs_one_named(served):
 
 
 def test_the_served_drafts_run_on_int8_weights_when_the_recipe_says_so(tiny_target, tmp_path):
-    from decoding.int8 import Int8Linear
+    from decoding.quantise import Int8Linear
     from recipe import ConfigError
 
     cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path}",
-                             "eval.draft_int8=true"])
+                             "eval.draft_weights=int8"])
     served = Served(cfg, {"first": "layer-truncated:1"}, torch.device("cpu"))
     first = served.drafts["first"]
-    assert first.int8 and any(isinstance(m, Int8Linear) for m in first.model.modules())
-    assert not served.drafts["ngram"].int8  # prompt lookup has no weights
-    with pytest.raises(ConfigError, match="set eval.draft_int8=false"):
+    assert first.weights == "int8"
+    assert any(isinstance(m, Int8Linear) for m in first.model.modules())
+    assert served.drafts["ngram"].weights == "model"  # prompt lookup has no weights
+    with pytest.raises(ConfigError, match="set eval.draft_weights=model"):
         Served(cfg, {"lookup": "prompt-lookup"}, torch.device("cpu"))
 
 
