@@ -250,3 +250,26 @@ def test_compiled_chains_draft_what_the_eager_draft_drafts():
     for (tokens, logits), (eager_tokens, eager_logits) in zip(compiled[1], cached[1]):
         assert torch.equal(tokens, eager_tokens)
         assert torch.allclose(logits, eager_logits, atol=1e-4)
+
+
+@pytest.mark.slow  # inductor compiles a chain (about a minute on 2 CPU cores)
+def test_a_compiled_chain_on_int4_weights_drafts_what_its_eager_code_drafts():
+    """Inductor lowers the int4 product (torch's CPU kernel) inside the one-call chain: the
+    compiled chains are the eager chain code's, token for token, and output is the target's."""
+    target = MODELS["llama"]()
+    _, ids, mask = _prompts([5, 17, 9])
+    model = quantised_copy(_draft(target), "int4")
+    plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=32), {EOS}).tokens
+    runs = {}
+    for eager in (True, False):
+        draft = ModelDraft(model, compile=True)
+        if eager:
+            draft.lm.steps = None
+        runs[eager] = logged_chains(draft)
+        out = generate(target, ids, mask, DecodeSettings(max_new_tokens=32, k=4), {EOS}, draft)
+        assert out.tokens == plain, eager
+    assert "chain 4" in draft.lm.steps
+    assert len(runs[True]) == len(runs[False]) > 3
+    for (tokens, logits), (eager_tokens, eager_logits) in zip(runs[False], runs[True]):
+        assert torch.equal(tokens, eager_tokens)
+        assert torch.allclose(logits, eager_logits, atol=5e-2)
