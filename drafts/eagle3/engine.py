@@ -320,7 +320,8 @@ class Eagle3Draft:
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         """Replace the chain's slots by the verified tokens' slots, made from the target's
         features: slot i of the chunk [pending, d_1..d_k] reads d_{i+1} (i < n) or next_token
-        (i = n); slots past n are holes. A tree's path replaces d."""
+        (i = n); slots past n are holes. A tree's path replaces d. The chunk is cut after the
+        longest row's n + 1 slots: columns every row would leave as holes are not run."""
         self.cache.crop(self.chain)
         batch, k = self.tokens.shape
         rows = torch.arange(batch, device=next_token.device)
@@ -328,11 +329,12 @@ class Eagle3Draft:
         following = torch.cat([accepted, next_token[:, None]], dim=1)  # [B, k+1]
         following[rows, num_accepted] = next_token
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
+        width = int(num_accepted.max()) + 1
+        following, valid = following[:, :width], valid[:, :width]  # [B, width]
+        features = aux_features(target_hidden, self.head.aux_layers)[:, :width]  # [B, width, 3H]
         if self.compiled is not None:
-            out = self.compiled.run(self.cache, following,
-                                    aux_features(target_hidden, self.head.aux_layers), valid)
+            out = self.compiled.run(self.cache, following, features, valid)
         else:
             out = self.cache.run(self.layer, self._embeds(following),
-                                 self._features(target_hidden), valid)
+                                 self.head.fc(features.to(self.head.fc.weight.dtype)), valid)
         self.hidden = out[rows, num_accepted]  # [B, H]
-        self.cache.crop(k - int(num_accepted.max()), valid=False)  # holes every row has

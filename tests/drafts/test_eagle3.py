@@ -287,10 +287,16 @@ def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k):
 
 def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target):
     """After the engine's accept steps (holes, crops), the head's state at the last verified token
-    is what a fresh start on the whole history computes."""
+    is what a fresh start on the whole history computes; each accept runs the verified chunk up
+    to the longest row's next token, not the whole k + 1."""
     prompts, ids, mask = _prompts([6, 9])
     draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    fed, longest = [], []  # tokens the head's fc maps per call; max(n) + 1 per accept
+    draft.head.fc.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    accept = draft.accept
+    draft.accept = lambda n, *rest: (longest.append(int(n.max()) + 1), accept(n, *rest))[1]
     out = generate(target, ids, mask, DecodeSettings(max_new_tokens=12, k=3), set(), draft)
+    assert fed[1:] == longest and min(longest) < 4  # fed[0]: the start's prompt
     _assert_fresh_start_state(target, draft, prompts, out.tokens, range(2))
 
 
