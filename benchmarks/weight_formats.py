@@ -1,6 +1,7 @@
 """Benchmark: what one drafted token's matrix products cost per weight format, on this CPU.
 
     .venv/bin/python -m benchmarks.weight_formats [--layers 6] [--vocab 8192] [--repeats 50]
+        [--draft <folder> [--tokens 512]]
 
 An independent draft's token is its layers' products (q/k/v one product, o, gate/up one, down)
 and its head's (--vocab rows); their cost bounds how cheap a draft step can get. This takes
@@ -12,6 +13,12 @@ Python between them: drafts/slot_lm.py adds those) in each weight format: fp32, 
 "warm": the pass repeated, its weights in cache where they fit; "cold": a 256 MB buffer
 swept before each pass, as a target forward evicts the draft's weights between draft steps.
 Medians in ms per pass.
+
+--draft <folder> (a trained independent or PARD draft: an LM of its own) adds what each
+quantised format does to that draft: over the first --tokens tokens of the MT-bench questions,
+how often the quantised draft's greedy next token is its fp32 self's, and the mean KL divergence
+of its next-token distribution from the fp32 one's. Acceptance follows that agreement: measure
+a format here before drafting on it.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import time
 
 import torch
 
+from assets.chat import render
+from assets.prompts import load_mtbench
 from assets.target import load_target, resolve_target
-from decoding.quantise import Int4Linear, Int8Linear
+from decoding.quantise import Int4Linear, Int8Linear, quantised_copy
 from recipe import ModelConfig
 
 
@@ -51,11 +60,42 @@ def products(weights: list[torch.Tensor], form: str):
     return [form.quantise(w) for w in weights], torch.bfloat16
 
 
+@torch.no_grad()
+def agreement(model, ids: torch.Tensor, weights: str) -> tuple[float, float]:
+    """An LM and token ids [1, T] -> (share of positions whose greedy next token the model on
+    quantised weights keeps, mean KL(fp32 || quantised) per position in nats)."""
+    exact = model(ids).logits.float().log_softmax(-1)  # [1, T, V]
+    quantised = quantised_copy(model, weights)(ids).logits.float().log_softmax(-1)
+    kept = (quantised.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    kl = (exact.exp() * (exact - quantised)).sum(-1).mean().item()
+    return kept, kl
+
+
+def draft_agreement(folder: str, tokens: int) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = []
+    for conversation in load_mtbench()[0]:
+        ids += render(tokenizer, [{"role": "user", "content": conversation.user_turns[0]}], True)
+        if len(ids) >= tokens:
+            break
+    ids = torch.tensor([ids[:tokens]])
+    print(f"\n{folder}: {ids.shape[1]} tokens of MT-bench questions, each format against the "
+          "draft's fp32 self\n| format | greedy next token kept | mean KL (nats) |\n|---|---|---|")
+    for weights in ("int8", "int4"):
+        kept, kl = agreement(model, ids, weights)
+        print(f"| {weights} | {kept:.3f} | {kl:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--draft", help="a trained independent or PARD draft's folder")
+    parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     target = load_target(resolve_target(ModelConfig()), "float32", torch.device("cpu"))
     weights = draft_matrices(target, args.layers, args.vocab)
@@ -84,6 +124,8 @@ def main() -> None:
             sweep.add_(1.0)
             cold.append(run())
         print(f"| {form} | {megabytes * width:.0f} | {warm:.2f} | {statistics.median(cold):.2f} |")
+    if args.draft:
+        draft_agreement(args.draft, args.tokens)
 
 
 if __name__ == "__main__":
