@@ -377,8 +377,10 @@ class EvalConfig(DecodeSettings):
     eval.draft, eval.compare_drafts and what serve serves): 'model' (the draft's own dtype),
     'int8' (per output row) or 'int4' (per group of 32 inputs; a CPU kernel), each multiplied
     on bf16 activations (decoding/quantise.py). A cheaper draft step, still lossless, as
-    verification reads the quantised draft's own probabilities; acceptance may move a little
-    with int8 and more with int4 (docs/evaluation.md measures both)."""
+    verification reads the quantised draft's own probabilities; acceptance may move. Int8
+    keeps the embedded default's drafts (96-98 % of their greedy tokens); int4 keeps about a
+    third and costs them most of their acceptance (docs/evaluation.md): check a draft with
+    `python -m benchmarks.weight_formats --draft <folder>` before drafting on int4."""
     draft_compile: bool = False
     """Run the draft's steps compiled (torch.compile; inductor's C++ wrapper on a CPU): an
     EAGLE-3 head's greedy chains and its settling after each verification
