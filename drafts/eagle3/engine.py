@@ -29,9 +29,8 @@ class FusedLayer:
     weights are copied when made, so a head trained further needs a new FusedLayer
     (Eagle3Draft.start makes one whenever the head's parameters changed). weights 'int8' or
     'int4': the five matrices of a step (q/k/v, o, gate/up, down, lm_head) quantised
-    (decoding/quantise.py); the draft's q is then
-    the quantised head's, which verification reads as it is (lossless; acceptance is measured,
-    not assumed)."""
+    (decoding/quantise.py); the draft's q is then the quantised head's, which verification
+    reads as it is (lossless; acceptance is measured, not assumed)."""
 
     def __init__(self, head: Eagle3Head, weights: str = "model"):
         layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
