@@ -330,10 +330,11 @@ class Eagle3Draft:
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
         width = int(num_accepted.max()) + 1
         following, valid = following[:, :width], valid[:, :width]  # [B, width]
-        features = aux_features(target_hidden, self.head.aux_layers)[:, :width]  # [B, width, 3H]
+        target_hidden = [hidden[:, :width] for hidden in target_hidden]  # views
         if self.compiled is not None:
-            out = self.compiled.run(self.cache, following, features, valid)
+            out = self.compiled.run(self.cache, following,
+                                    aux_features(target_hidden, self.head.aux_layers), valid)
         else:
             out = self.cache.run(self.layer, self._embeds(following),
-                                 self.head.fc(features.to(self.head.fc.weight.dtype)), valid)
+                                 self._features(target_hidden), valid)
         self.hidden = out[rows, num_accepted]  # [B, H]
