@@ -173,7 +173,8 @@ def test_compiled_steps_draft_what_the_eager_head_drafts(target):
     same tokens, logits within rounding), over left-padded rows of different lengths (holes in
     the head's cache), a row whose cache outgrows its first capacity (256 slots), and a second
     k; output stays the target's. Sampled decoding (eager chains, compiled settling) repeats
-    the eager run's output under the same seed. A later engine run reuses the compiled code."""
+    the eager run's output under the same seed. A later engine run reuses the compiled code,
+    and leaves the head's state a fresh start's."""
     head = _head(target)
     prompts, ids, mask = _prompts([5, 250, 8])
     runs = {}
@@ -191,8 +192,12 @@ def test_compiled_steps_draft_what_the_eager_head_drafts(target):
         if compile:
             assert draft.cache.slots.capacity > 256  # the long row grew the head's cache
             compiled = draft.compiled
-            generate(target, ids, mask, DecodeSettings(max_new_tokens=4, k=3), set(), draft)
+            again = generate(target, ids, mask, DecodeSettings(max_new_tokens=6, k=3), set(), draft)
             assert draft.compiled is compiled
+            assert "settle, chain 3" in compiled.steps  # a greedy step: settling + chain, one call
+            last = max(s.steps for s in again.stats)  # the last accept, settled when read
+            _assert_fresh_start_state(target, draft, prompts, again.tokens,
+                                      [r for r in range(3) if again.stats[r].steps == last])
     plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24), set()).tokens
     assert runs[True, 3] == runs[False, 3] == runs[True, 4] == plain
     assert len(runs[True, "chains"]) == len(runs[False, "chains"]) > 10
