@@ -349,7 +349,7 @@ class Eagle3Draft:
         valid = torch.arange(k + 1, device=next_token.device)[None] <= num_accepted[:, None]
         width = int(num_accepted.max()) + 1
         following, valid = following[:, :width], valid[:, :width]  # [B, width]
-        target_hidden = [hidden[:, :width] for hidden in target_hidden]  # views
+        target_hidden = {i: target_hidden[i][:, :width] for i in self.head.aux_layers}  # views
         if self.compiled is not None:  # settled with the next chain, or when read (hidden)
             self.pending = (following, aux_features(target_hidden, self.head.aux_layers),
                             valid, num_accepted)

@@ -18,6 +18,7 @@ from runfolder.shards import read_columns, shard_files
 from tests.helpers import (
     ROOT,
     chat_records,
+    free_port,
     kill_process_tree,
     recipe_path,
     run_recipe,
@@ -193,7 +194,8 @@ def test_killed_twice_then_resumed_writes_what_an_uninterrupted_run_writes(tiny_
     extra = ["data.shard_size=2", "generation.batch_size=3", "generation.max_new_tokens=24",
              "generation.temperature=0.9", "generation.top_p=0.95"]
     launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                str(ROOT / "configs" / "accelerate" / "ddp-cpu.yaml")]
+                str(ROOT / "configs" / "accelerate" / "ddp-cpu.yaml"),
+                "--main_process_port", str(free_port())]  # not the default 29500
 
     def command(out):
         return [*launcher, str(ROOT / "distill.py"), *_args(tiny_target, prompts, out, *extra)]

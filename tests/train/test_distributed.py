@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from accelerate import Accelerator
 
-from tests.helpers import EAGLE3, ROOT, recipe_path
+from tests.helpers import EAGLE3, ROOT, free_port, recipe_path
 from train import accelerator_kwargs, train_draft
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
@@ -56,6 +56,7 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
     result = subprocess.run(
         [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" /
                                                           launch_config),
+         "--main_process_port", str(free_port()),  # not the default 29500: tests run in parallel
          str(ROOT / "distill.py"), "--config",
          recipe_path("smollm2-135m-independent"), "--stage", "train", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)

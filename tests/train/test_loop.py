@@ -15,6 +15,7 @@ from recipe import ConfigError
 from tests.helpers import (
     EAGLE3,
     ROOT,
+    free_port,
     kill_process_tree,
     tensorboard_scalars,
     tiny_llama,
@@ -261,7 +262,8 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     if case in LAUNCH:  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
         overrides = [*overrides, "train.gradient_accumulation_steps=2"]
         launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                    str(root / "configs" / "accelerate" / LAUNCH[case])]
+                    str(root / "configs" / "accelerate" / LAUNCH[case]),
+                    "--main_process_port", str(free_port())]  # not the default 29500
     cfg = tiny_run(*overrides, f"run.output_dir={killed}")
     command = [*launcher, str(root / "distill.py"), "--config",
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
