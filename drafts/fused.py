@@ -58,21 +58,15 @@ class RotaryTable:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, limit: int):
         """positions [B, t], all below limit -> cos, sin [B, 1, t, d] in x's dtype."""
-        tables = self.tables(x, limit)
-        if tables is None:
+        if self.table is None:
             cos, sin = self.rotary(x, positions)
         else:
-            cos, sin = (t[positions] for t in tables)
+            if limit > len(self.table[0]):
+                length = max(2 * len(self.table[0]), limit, 256)
+                every = torch.arange(length, device=x.device)[None]
+                self.table = tuple(t[0] for t in self.rotary(x.float(), every))
+            cos, sin = (t[positions] for t in self.table)
         return cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-
-    def tables(self, x: torch.Tensor, limit: int):
-        """The tables cos, sin [P, d] (fp32) covering every position below limit, for code that
-        looks positions up itself; None for a rope type that rescales with the length."""
-        if self.table is not None and limit > len(self.table[0]):
-            length = max(2 * len(self.table[0]), limit, 256)
-            every = torch.arange(length, device=x.device)[None]
-            self.table = tuple(t[0] for t in self.rotary(x.float(), every))
-        return self.table
 
 
 class CompiledSteps:

@@ -15,9 +15,7 @@ values they hold.
 A chain of k is one compiled call (one per k: k is a constant of its code, and each k runs
 a copy of the chain's code of its own, guarded on its arguments only: drafts/fused.py):
 `token` drafts one greedy token and runs it through the layer, k - 1 times, then `last` gives
-the k-th token's logits; `settle` is HeadCache.run for the verified chunk (accept), and
-`settle, chain <k>` the two in one call (a greedy step's drafting: accept's chunk is settled
-when the next chain is drafted, so a step makes one compiled call, not two). The arithmetic
+the k-th token's logits; `settle` is HeadCache.run for the verified chunk (accept). The arithmetic
 is FusedLayer's; inductor may fuse and round differently from eager, so the drafted tokens
 can differ from the eager head's in a near tie: verification reads the draft's own logits as
 they are, so decoding stays lossless either way.
@@ -43,7 +41,6 @@ class CompiledHead:
         # fixed: the layer, embedding and fc never change under a CompiledHead (Eagle3Draft
         # makes a new one when the head's weights do), so only the arguments are guarded
         self.steps.add("settle", self._settle, fixed=True)  # and "chain <k>" once used
-        self.offsets: dict[int, torch.Tensor] = {}  # k -> [k - 1] a chain's positions after
 
     def propose(self, cache, hidden: torch.Tensor, draft_ids: torch.Tensor, k: int):
         """A greedy chain of k from hidden [B, H] (Eagle3Draft.propose at temperature 0): its
@@ -90,51 +87,6 @@ class CompiledHead:
         slots.length += t
         cache.next_position = cache.next_position + steps.sum(1)
         return out
-
-    def settle_and_propose(self, cache, tokens: torch.Tensor, target_features: torch.Tensor,
-                           valid: torch.Tensor, last: torch.Tensor, draft_ids: torch.Tensor,
-                           k: int):
-        """run, then propose from each row's output at last [B] (its next token's slot), as
-        one compiled call: accept's chunk tokens [B, t] with the target's aux features
-        [B, t, 3H] and valid [B, t], then a greedy chain of k -> tokens [B, k], logits [B, k, Vd].
-        The positions and their rotary values are looked up inside; None when the rotary has
-        no table (a rope type that rescales with the length: run and propose instead)."""
-        slots, t = cache.slots, tokens.shape[1]
-        slots.reserve(t + k - 1)
-        tables = self.layer.cos_sin.tables(self.fc.weight, slots.length + t + k)  # > every position
-        if tables is None:
-            return None
-        for table in tables:  # it doubles when outgrown
-            torch._dynamo.maybe_mark_dynamic(table, 0)
-        if k not in self.offsets:
-            self.offsets[k] = torch.arange(k - 1, device=tokens.device)
-        name = f"settle, chain {k}"
-        if name not in self.steps:
-            self.steps.add(name, self._settle_chain, fixed=True)
-        drafted, logits, cache.next_position = self.steps(
-            name, tokens, target_features, valid, last, cache.next_position, self.offsets[k],
-            draft_ids, *self._buffers(slots), self._slot(slots.length, tokens), *tables)
-        slots.length += t + k - 1
-        return drafted, logits
-
-    def _settle_chain(self, tokens, features, valid, last, next_position, offsets, draft_ids,
-                      keys, values, mask, length, cos_table, sin_table):
-        """settle_and_propose's static form: _settle for the chunk at positions counted from
-        next_position [B], then _chain (k - 1 = offsets' static length, [k - 1]) from the
-        output at last [B] -> tokens [B, k], logits [B, k, Vd], the next position [B]."""
-        steps = valid.long()
-        positions = next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
-        after = next_position + steps.sum(1)  # [B]
-        chained = after[:, None] + offsets  # [B, k - 1]
-
-        def rotary(at):  # positions [B, n] -> cos, sin [B, 1, n, d]
-            return cos_table[at][:, None].to(self.dtype), sin_table[at][:, None].to(self.dtype)
-
-        out = self._settle(tokens, features, valid, keys, values, mask, length, *rotary(positions))
-        hidden = out[torch.arange(len(last), device=last.device), last]  # [B, H]
-        drafted, logits = self._chain(hidden, draft_ids, keys, values, mask,
-                                      length + tokens.shape[1], *rotary(chained))
-        return drafted, logits, after + offsets.shape[0]
 
     @staticmethod
     def _buffers(slots):

@@ -194,10 +194,8 @@ class Eagle3Model:
 class Eagle3Draft:
     """The engine's draft: the head proposes a chain of k from the target's features of the
     last verification, keeping its own KV cache of the verified tokens. compile: greedy chains
-    and the settling after verification run compiled (drafts/eagle3/compiled.py), a greedy
-    step's two as one call (accept leaves its chunk pending; the next greedy chain settles it
-    first, anything else that reads the head's output settles it alone); sampled chains and
-    trees run eager."""
+    and the settling after verification run compiled (drafts/eagle3/compiled.py); sampled
+    chains and trees run eager."""
 
     uses_target_hidden = True
     failures = None
@@ -208,19 +206,6 @@ class Eagle3Draft:
         self.compile, self.layers = compile, {} if layers is None else layers
         self.layer, self.compiled = None, None  # the FusedLayer, and its CompiledHead
         self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
-        self.pending = None  # compiled: accept's chunk, settled by the next propose
-        self._hidden: torch.Tensor | None = None
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        """[B, H] the head's output at each row's last verified token, which proposes the next
-        token (a chunk accept left pending is settled first)."""
-        if self.pending is not None:
-            following, features, valid, last = self.pending
-            self.pending = None
-            out = self.compiled.run(self.cache, following, features, valid)
-            self._hidden = out[torch.arange(len(last), device=last.device), last]
-        return self._hidden
 
     def _features(self, target_hidden) -> torch.Tensor:
         return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
@@ -248,19 +233,15 @@ class Eagle3Draft:
                              attention_mask.bool())
         # [B, H] left padding: the last slot is every row's last token (contiguous, as accept
         # leaves it: a compiled chain then never sees another stride)
-        self._hidden = out[:, -1].clone(memory_format=torch.contiguous_format)
-        self.chain, self.pending = 0, None
+        self.hidden = out[:, -1].clone(memory_format=torch.contiguous_format)
+        self.chain = 0
 
     def propose(self, k, sampling, history, generator=None):
         """A chain of k, each token drawn on the draft vocabulary (q is zero outside it, so
         the distribution over the target's vocabulary is q scattered into zeros)."""
         if self.compiled is not None and sampling.temperature == 0:
-            fused = None if self.pending is None else self.compiled.settle_and_propose(
-                self.cache, *self.pending, self.draft_ids, k)
-            if fused is None:  # nothing pending, or a rotary without a table
-                fused = self.compiled.propose(self.cache, self.hidden, self.draft_ids, k)
-            self.tokens, self.draft_logits = fused
-            self.pending, self._hidden = None, None  # the chain's start is not kept
+            self.tokens, self.draft_logits = self.compiled.propose(self.cache, self.hidden,
+                                                                   self.draft_ids, k)
             self.chain = k - 1
             probs = torch.zeros(*self.tokens.shape, self.head.vocab_size,
                                 device=self.tokens.device)  # one-hot q: greedy drafting
@@ -350,10 +331,10 @@ class Eagle3Draft:
         width = int(num_accepted.max()) + 1
         following, valid = following[:, :width], valid[:, :width]  # [B, width]
         target_hidden = {i: target_hidden[i][:, :width] for i in self.head.aux_layers}  # views
-        if self.compiled is not None:  # settled with the next chain, or when read (hidden)
-            self.pending = (following, aux_features(target_hidden, self.head.aux_layers),
-                            valid, num_accepted)
-            return
-        out = self.cache.run(self.layer, self._embeds(following),
-                             self._features(target_hidden), valid)
-        self._hidden = out[rows, num_accepted]  # [B, H]
+        if self.compiled is not None:
+            out = self.compiled.run(self.cache, following,
+                                    aux_features(target_hidden, self.head.aux_layers), valid)
+        else:
+            out = self.cache.run(self.layer, self._embeds(following),
+                                 self._features(target_hidden), valid)
+        self.hidden = out[rows, num_accepted]  # [B, H]

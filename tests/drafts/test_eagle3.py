@@ -194,8 +194,7 @@ def test_compiled_steps_draft_what_the_eager_head_drafts(target):
             compiled = draft.compiled
             again = generate(target, ids, mask, DecodeSettings(max_new_tokens=6, k=3), set(), draft)
             assert draft.compiled is compiled
-            assert "settle, chain 3" in compiled.steps  # a greedy step: settling + chain, one call
-            last = max(s.steps for s in again.stats)  # the last accept, settled when read
+            last = max(s.steps for s in again.stats)  # rows that drafted to the end
             _assert_fresh_start_state(target, draft, prompts, again.tokens,
                                       [r for r in range(3) if again.stats[r].steps == last])
     plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24), set()).tokens
