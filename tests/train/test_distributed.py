@@ -56,7 +56,7 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
     result = subprocess.run(
         [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" /
                                                           launch_config),
-         "--main_process_port", str(free_port()),  # not the default 29500, which another run may hold
+         "--main_process_port", str(free_port()),  # not 29500, which another run may hold
          str(ROOT / "distill.py"), "--config",
          recipe_path("smollm2-135m-independent"), "--stage", "train", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
