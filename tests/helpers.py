@@ -262,6 +262,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def accelerate_launch(config: str) -> list[str]:
+    """`accelerate launch` with configs/accelerate/<config> on one host, its processes meeting
+    at a free port rather than accelerate's default 29500, which another run may hold."""
+    import sys
+
+    return [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+            str(ROOT / "configs" / "accelerate" / config), "--main_process_port", str(free_port())]
+
+
 VLLM_STAGE1 = ["data.max_prompts=8", "generation.max_new_tokens=32", "generation.batch_size=4",
                "model.dtype=float32", "generation.vllm_enforce_eager=true",
                "train.draft=layer-truncated:1"]

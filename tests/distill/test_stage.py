@@ -17,8 +17,8 @@ from distill import load_distilled
 from runfolder.shards import read_columns, shard_files
 from tests.helpers import (
     ROOT,
+    accelerate_launch,
     chat_records,
-    free_port,
     kill_process_tree,
     recipe_path,
     run_recipe,
@@ -193,9 +193,7 @@ def test_killed_twice_then_resumed_writes_what_an_uninterrupted_run_writes(tiny_
     prompts = write_jsonl(tmp_path / "p.jsonl", chat_records(n))
     extra = ["data.shard_size=2", "generation.batch_size=3", "generation.max_new_tokens=24",
              "generation.temperature=0.9", "generation.top_p=0.95"]
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                str(ROOT / "configs" / "accelerate" / "ddp-cpu.yaml"),
-                "--main_process_port", str(free_port())]  # not the default 29500
+    launcher = accelerate_launch("ddp-cpu.yaml")
 
     def command(out):
         return [*launcher, str(ROOT / "distill.py"), *_args(tiny_target, prompts, out, *extra)]

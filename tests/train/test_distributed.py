@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from accelerate import Accelerator
 
-from tests.helpers import EAGLE3, ROOT, free_port, recipe_path
+from tests.helpers import EAGLE3, ROOT, accelerate_launch, recipe_path
 from train import accelerator_kwargs, train_draft
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
@@ -52,12 +51,8 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
     overrides = tiny_overrides(tiny_target, prompts, out) + [
         *KINDS[kind], "train.gradient_accumulation_steps=2", "train.max_steps=4",
         "train.save_every=2"]
-    accelerate = Path(sys.executable).parent / "accelerate"
     result = subprocess.run(
-        [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate" /
-                                                          launch_config),
-         "--main_process_port", str(free_port()),  # not 29500, which another run may hold
-         str(ROOT / "distill.py"), "--config",
+        [*accelerate_launch(launch_config), str(ROOT / "distill.py"), "--config",
          recipe_path("smollm2-135m-independent"), "--stage", "train", *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]

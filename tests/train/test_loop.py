@@ -15,7 +15,7 @@ from recipe import ConfigError
 from tests.helpers import (
     EAGLE3,
     ROOT,
-    free_port,
+    accelerate_launch,
     kill_process_tree,
     tensorboard_scalars,
     tiny_llama,
@@ -246,7 +246,6 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     overrides = ["train.max_steps=24", "train.save_every=1", "train.eval_every=100",
                  "train.warmup_steps=2", *KILLED_RUNS[case]]
@@ -261,9 +260,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     launcher = [sys.executable]
     if case in LAUNCH:  # 2 processes x 2 micro_steps = 1 x 4 micro_steps
         overrides = [*overrides, "train.gradient_accumulation_steps=2"]
-        launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                    str(root / "configs" / "accelerate" / LAUNCH[case]),
-                    "--main_process_port", str(free_port())]  # not the default 29500
+        launcher = accelerate_launch(LAUNCH[case])
     cfg = tiny_run(*overrides, f"run.output_dir={killed}")
     command = [*launcher, str(root / "distill.py"), "--config",
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
