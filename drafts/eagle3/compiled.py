@@ -131,7 +131,7 @@ class CompiledHead:
         the target's aux features [B, t, 3H] (fc inside), valid [B, t], rotary cos, sin
         [B, 1, t, d] at their positions; a slot sees the kept slots before it and itself ->
         pre-norm outputs [B, t, H]."""
-        hidden = self.fc(features.to(self.dtype))
+        hidden = self.layer.features(features.to(self.dtype))
         embeds = self.embedding(tokens).to(self.dtype)
         q, k, v = self.layer.project_rotated(embeds, hidden, cos, sin)
         t = tokens.shape[1]

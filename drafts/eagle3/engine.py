@@ -28,9 +28,13 @@ class FusedLayer:
     finish / logits as the head (the same arithmetic up to rounding: tests compare the two);
     weights are copied when made, so a head trained further needs a new FusedLayer
     (Eagle3Draft.start makes one whenever the head's parameters changed). weights 'int8' or
-    'int4': the five matrices of a step (q/k/v, o, gate/up, down, lm_head) quantised
-    (decoding/quantise.py); the draft's q is then the quantised head's, which verification
-    reads as it is (lossless; acceptance is measured, not assumed)."""
+    'int4': the five matrices of a step (q/k/v, o, gate/up, down, lm_head) and fc (the
+    target's features into the head, once per verified token) quantised (decoding/quantise.py):
+    the target's forward between two draft steps streams its weights through the CPU's caches,
+    so a step reads the head's weights from memory again, and fc in fp32 was nearly a third
+    of them.
+    The draft's q is then the quantised head's, which verification reads as it is (lossless;
+    acceptance is measured, not assumed)."""
 
     def __init__(self, head: Eagle3Head, weights: str = "model"):
         layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
@@ -39,7 +43,8 @@ class FusedLayer:
                 "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
                 "o": attn.o_proj.weight,
                 "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
-                "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight}
+                "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight,
+                "fc": head.fc.weight}  # [H, 3H]
         self.linears = {name: partial(F.linear, weight=weight) if weights == "model" else
                         quantise_linear(weight, None, weights) for name, weight in matrices.items()}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
@@ -87,6 +92,10 @@ class FusedLayer:
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocabulary logits [..., Vd]."""
         return self.linears["lm_head"](self.norm("final", prenorm))
+
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """As the head's fc: the target's aux features [..., 3H] -> [..., H]."""
+        return self.linears["fc"](aux)
 
 
 Layer = Eagle3Head | FusedLayer  # what HeadCache runs: project, finish, groups
@@ -208,7 +217,7 @@ class Eagle3Draft:
         self.draft_logits: torch.Tensor | None = None  # [B, k, Vd] of the last chain
 
     def _features(self, target_hidden) -> torch.Tensor:
-        return self.head.fc(aux_features(target_hidden, self.head.aux_layers).to(
+        return self.layer.features(aux_features(target_hidden, self.head.aux_layers).to(
             self.head.fc.weight.dtype))
 
     def _embeds(self, tokens: torch.Tensor) -> torch.Tensor:

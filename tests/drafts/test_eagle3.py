@@ -289,14 +289,16 @@ def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k):
     assert sum(s.steps for s in spec.stats) < sum(len(t) for t in plain.tokens)  # it drafts
 
 
-def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target):
+def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target, monkeypatch):
     """After the engine's accept steps (holes, crops), the head's state at the last verified token
     is what a fresh start on the whole history computes; each accept runs the verified chunk up
     to the longest row's next token, not the whole k + 1."""
     prompts, ids, mask = _prompts([6, 9])
     draft = Eagle3Draft(_head(target), target.get_input_embeddings())
     fed, longest = [], []  # tokens the head's fc maps per call; max(n) + 1 per accept
-    draft.head.fc.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    features = FusedLayer.features
+    monkeypatch.setattr(FusedLayer, "features",
+                        lambda layer, aux: (fed.append(aux.shape[1]), features(layer, aux))[1])
     accept = draft.accept
     draft.accept = lambda n, *rest: (longest.append(int(n.max()) + 1), accept(n, *rest))[1]
     out = generate(target, ids, mask, DecodeSettings(max_new_tokens=12, k=3), set(), draft)
