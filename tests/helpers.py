@@ -275,6 +275,14 @@ VLLM_STAGE1 = ["data.max_prompts=8", "generation.max_new_tokens=32", "generation
                "model.dtype=float32", "generation.vllm_enforce_eager=true",
                "train.draft=layer-truncated:1"]
 """Stage 1 of the real SmolLM2 target in fp32, greedy, as the backends are compared on it."""
+STAGE1_ROW = ["id", "input_ids", "loss_mask", "messages", "finish_reasons", "num_turns"]
+
+
+def stage1_rows(out: Path) -> dict:
+    """A run folder's stage-1 rows by id, the columns two backends must write alike."""
+    from runfolder import read_columns
+
+    return {r["id"]: {k: r[k] for k in STAGE1_ROW} for r in read_columns(out / "data", STAGE1_ROW)}
 
 
 def logged_chains(draft) -> list:

@@ -1,10 +1,10 @@
-"""Stage 1 through real servers in their own processes: vLLM's OpenAI server writes the rows
-vLLM's offline engine writes; serving.server killed mid-run and restarted loses nothing and
-writes nothing twice."""
+"""Stage 1 through a real server in its own process: serving.server killed mid-run and restarted
+loses nothing and writes nothing twice. Stage 1 through vLLM's OpenAI server (the target with
+an exported draft speculating) writing the rows of vLLM's offline engine is
+tests/serving/test_validate_vllm.py's (one vLLM server start for both checks)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,18 +13,16 @@ import time
 import httpx
 import pytest
 
-from runfolder import read_columns, read_manifest
+from runfolder import read_manifest
 from tests.helpers import (
     ROOT,
-    VLLM_STAGE1,
     chat_records,
     free_port,
     kill_process_tree,
     recipe_path,
+    stage1_rows,
     write_jsonl,
 )
-
-ROW = ["id", "input_ids", "loss_mask", "messages", "finish_reasons", "num_turns"]
 
 
 def _wait_until_up(url: str, process, seconds: float = 300) -> None:
@@ -52,41 +50,6 @@ def _distill(overrides, **kw):
                              recipe_path("smollm2-135m-independent"), "--stage", "distill",
                              *overrides], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _rows(out) -> dict:
-    return {r["id"]: {k: r[k] for k in ROW} for r in read_columns(out / "data", ROW)}
-
-
-@pytest.mark.integration
-def test_vllms_openai_server_writes_the_rows_of_vllms_offline_engine(vllm_stage1, tmp_path):
-    """The real SmolLM2 target, fp32 greedy: vLLM's offline engine (the session's vllm_stage1)
-    against vLLM's server."""
-    from assets.target import resolve_target, vllm_cpu_environment
-    from recipe import ModelConfig
-
-    port = free_port()
-    env = {**os.environ, **vllm_cpu_environment(str(tmp_path / "vllm-cache"))}
-    server = subprocess.Popen([sys.executable, "-m", "serving.vllm_api", "--model",
-                               resolve_target(ModelConfig()).path, "--dtype", "float32",
-                               "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        _wait_until_up(url, server)
-        remote = _distill([f"run.output_dir={tmp_path / 'remote'}", "generation.backend=openai",
-                           *VLLM_STAGE1, f"generation.openai_endpoints=[{url}]"])
-        remote_log = remote.communicate(timeout=600)[0]
-    finally:
-        kill_process_tree(server.pid)
-    assert remote.returncode == 0, remote_log[-3000:]
-    print("vLLM's OpenAI server", *[ln for ln in remote_log.splitlines()
-                                    if "tokens/s" in ln or "servers:" in ln])
-    rows = _rows(tmp_path / "remote")
-    assert read_manifest(tmp_path / "remote")["generated_by"] == {"openai": len(rows)}
-    assert any("stop" in r["finish_reasons"] for r in rows.values())  # the target ended turns
-    assert rows == _rows(vllm_stage1)
 
 
 @pytest.mark.slow
@@ -131,4 +94,4 @@ def test_our_server_killed_mid_run_and_restarted_loses_nothing(tiny_target, tmp_
     assert "retries=0" not in stats, stats  # the kill was met, and retried through
     manifest = read_manifest(out)
     assert manifest["status"] == "complete" and manifest["generated_by"] == {"openai": 24}
-    assert _rows(out) == _rows(tmp_path / "hf")  # nothing lost, nothing written twice
+    assert stage1_rows(out) == stage1_rows(tmp_path / "hf")  # nothing lost, nothing written twice

@@ -111,8 +111,8 @@ def test_vllm_accepts_what_our_engine_accepts(run):
 
 
 def test_vllm_sampled_acceptance_agrees_and_a_wrong_draft_temperature_is_caught(run):
-    """T = 1, vLLM-CPU's expand fallback repaired (serving/engines/vllm_worker.py): vLLM's default drafting
-    (the draft's argmax, accepted with probability p(x)) against ours drafting alike, the
+    """T = 1, vLLM-CPU's expand fallback repaired (serving/engines/vllm_worker.py): vLLM's default
+    drafting (the draft's argmax, accepted with probability p(x)) against ours drafting alike, the
     intervals overlap; ours sampling its draft at T instead is accepted far more often with
     this near-copy of the target, and the check says so (vLLM's run reused from the cache)."""
     cfg, exported = run
@@ -425,10 +425,14 @@ def test_the_pinned_vllm_cpu_leaves_draft_temperatures_unwritten_and_the_fix_wri
         cpu_triton_utils._expand_kernel_impl = shipped
 
 
-def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_process(run, tmp_path):
-    """serving.server --engine vllm for real: vLLM's OpenAI server on the export, started through
-    serving.vllm_api, repairs the expand fallback in its own process and in the engine core that
-    vLLM spawns (where verification runs), and answers a sampled request with speculation."""
+def test_vllms_own_server_speculating_writes_stage_1_as_the_offline_engine_and_samples(
+        run, vllm_stage1, tmp_path):
+    """serving.server --engine vllm for real: vLLM's OpenAI server on the export (the target, the
+    draft speculating), started through serving.vllm_api. Stage 1 through it (our openai
+    backend; the real target, fp32 greedy) writes the rows vLLM's offline engine writes without
+    a draft (the session's vllm_stage1): neither the server nor speculation changes a token. It
+    repairs the expand fallback in its own process and in the engine core that vLLM spawns
+    (where verification runs), and answers a sampled request with speculation."""
     import re
     import socket
     import subprocess
@@ -436,7 +440,9 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
     import time
     import urllib.request
 
+    from runfolder import read_manifest
     from serving.server import model_id
+    from tests.helpers import ROOT, VLLM_STAGE1, stage1_rows
 
     cfg, _ = run
     with socket.socket() as s:
@@ -461,6 +467,14 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
                         break
             except OSError:
                 time.sleep(2)
+        remote = subprocess.run(
+            [sys.executable, str(ROOT / "distill.py"), "--config",
+             recipe_path("smollm2-135m-independent"), "--stage", "distill",
+             f"run.output_dir={tmp_path / 'remote'}", "generation.backend=openai", *VLLM_STAGE1,
+             f"generation.openai_endpoints=[{base}/v1]",
+             f"generation.openai_model={model_id(cfg)}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        assert remote.returncode == 0, (remote.stdout + remote.stderr)[-3000:]
         body = {"model": model_id(cfg), "messages": [{"role": "user", "content": "Name a river."}],
                 "temperature": 1.0, "max_tokens": 16, "seed": 0}
         request = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
@@ -479,6 +493,10 @@ def test_vllms_own_server_answers_sampled_speculation_with_the_fix_in_every_proc
     fixed_in = set(re.findall(r"expand_kernel fallback replaced in process (\d+)",
                               log.read_text()))
     assert len(fixed_in) >= 2, log.read_text()[-3000:]  # the api_server and its engine core
+    rows = stage1_rows(tmp_path / "remote")
+    assert read_manifest(tmp_path / "remote")["generated_by"] == {"openai": len(rows)}
+    assert any("stop" in r["finish_reasons"] for r in rows.values())  # the target ended turns
+    assert rows == stage1_rows(vllm_stage1)
 
 
 def test_vllm_inspects_a_model_class_in_this_process_on_a_cpu(monkeypatch, tmp_path):
