@@ -380,8 +380,9 @@ def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target):
                 logp = torch.log_softmax(head.full_vocab_logits(head.logits(hidden)).float(), -1)
                 total += float(logp[0, token])
                 if i < len(path) - 1:
-                    hidden = sequential.cache.run(head, sequential._embeds(torch.tensor([[token]])),
-                                                  hidden[:, None], torch.ones(1, 1, dtype=torch.bool))[:, 0]
+                    embeds = sequential._embeds(torch.tensor([[token]]))
+                    hidden = sequential.cache.run(head, embeds, hidden[:, None],
+                                                  torch.ones(1, 1, dtype=torch.bool))[:, 0]
             assert abs(total - float(scores[row, m])) < 1e-4, (row, m, path)
 
 
@@ -398,7 +399,9 @@ def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, no
     assert all(s.drafted <= s.steps * (nodes + 3) for s in spec.stats)
     chain = generate(target, ids, mask, DecodeSettings(max_new_tokens=24, k=3), set(),
                      Eagle3Draft(_head(target), target.get_input_embeddings()))
-    tau = lambda out: sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
+    def tau(out):
+        return sum(s.accepted for s in out.stats) / sum(s.steps for s in out.stats)
+
     assert tau(spec) >= tau(chain)
     # after the tree steps the head's state is a fresh start's on the whole history (rows
     # that finished early went on drafting past their output: checked are those that did not)
