@@ -434,7 +434,6 @@ def test_vllms_own_server_speculating_writes_stage_1_as_the_offline_engine_and_s
     repairs the expand fallback in its own process and in the engine core that vLLM spawns
     (where verification runs), and answers a sampled request with speculation."""
     import re
-    import socket
     import subprocess
     import sys
     import time
@@ -442,12 +441,10 @@ def test_vllms_own_server_speculating_writes_stage_1_as_the_offline_engine_and_s
 
     from runfolder import read_manifest
     from serving.server import model_id
-    from tests.helpers import ROOT, VLLM_STAGE1, stage1_rows
+    from tests.helpers import ROOT, VLLM_STAGE1, free_port, stage1_rows
 
     cfg, _ = run
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path / "server.log"
     with log.open("w") as sink:
         server = subprocess.Popen(
