@@ -5,7 +5,9 @@
         [--rounds 3]
 
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
-scores N tokens (the first N ids: which ones does not change a step's cost). <kind>+int8 runs
+scores N tokens (the first N ids: which ones does not change a step's cost); independent:<n>
+drafts with the target's first n layers (train.draft=layer-truncated:<n>) instead of the
+recipe's, e.g. independent:4@8192. <kind>+int8 runs
 the draft on int8 weights, +int4 on int4 weights (eval.draft_weights: decoding/quantise.py),
 e.g. eagle3+int8, independent@8192+int4; +compile with compiled steps (eval.draft_compile; EAGLE-3,
 independent and PARD drafts), e.g. eagle3+int8+compile, whose compilation runs before the
@@ -55,9 +57,14 @@ def build_draft(kind: str, target, tokenizer, examples: list, folder: Path, dtyp
     from train.loop import check_train_config
 
     kind, _, vocabulary = kind.partition("@")
+    kind, _, layers = kind.partition(":")
+    if layers and kind != "independent":
+        raise SystemExit(f"--kinds {kind}:{layers}: a layer count is an independent draft's "
+                         "(independent:4@8192).")
     cfg = load_config(ROOT / "configs" / f"smollm2-135m-{kind}.yaml", [])
     if kind == "independent":  # a spec, not a folder: the target's first layers
-        loaded = load_draft(cfg.train.draft, target, tokenizer, dtype, device, weights, compile)
+        spec = f"layer-truncated:{layers}" if layers else cfg.train.draft
+        loaded = load_draft(spec, target, tokenizer, dtype, device, weights, compile)
         if vocabulary:
             loaded.model.config.draft_vocabulary = list(range(int(vocabulary)))
             loaded.name += f", draft vocabulary {vocabulary}"
