@@ -7,11 +7,10 @@
 A kind written <kind>@<N> (independent@8192) gets a draft vocabulary of N tokens: its head
 scores N tokens (the first N ids: which ones does not change a step's cost); independent:<n>
 drafts with the target's first n layers (train.draft=layer-truncated:<n>) instead of the
-recipe's, e.g. independent:4@8192. <kind>+int8 runs
-the draft on int8 weights, +int4 on int4 weights (eval.draft_weights: decoding/quantise.py),
-e.g. eagle3+int8, independent@8192+int4; +compile with compiled steps (eval.draft_compile; EAGLE-3,
-independent and PARD drafts), e.g. eagle3+int8+compile, whose compilation runs before the
-timed steps.
+recipe's, e.g. independent:4@8192. <kind>+int8 runs the draft on int8 weights, +int4 on int4
+weights (eval.draft_weights: decoding/quantise.py), e.g. eagle3+int8, independent@8192+int4;
++compile with compiled steps (eval.draft_compile; EAGLE-3, independent and PARD drafts), e.g.
+eagle3+int8+compile, whose compilation runs before the timed steps.
 
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
