@@ -37,17 +37,9 @@ def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
     trained = json.loads((folder.draft / "draftsmith_train.json").read_text())
     features = folder.features / "manifest.json"
     generated = sum(r["generated_tokens"] for r in rows)
-    measured = {}
-    for results in evals:
-        # the eval's own draft: "<path> (<kind>, ...)"
-        own = results["draft"] is not None and Path(results["draft"].split(" (")[0]).resolve() \
-            == folder.draft.resolve()
-        for name, m in results["methods"].items():
-            base, _, mode = name.partition("+")
-            if base == f"speculative:{run.name}" or (own and base == "speculative"):
-                measured[mode or "chain"] = {"tau": m["tau"], "speedup": m.get("speedup"),
-                                             "identical": m.get("identical_to_target"),
-                                             "prompts": results["num_prompts"]}
+    measured = {mode: {"tau": m["tau"], "speedup": m.get("speedup"),
+                       "identical": m.get("identical_to_target"), "prompts": results["num_prompts"]}
+                for mode, m, results in evals_of_draft(folder, evals)}
     return {
         "run": run.name,
         "conversations": len(rows),
@@ -61,6 +53,20 @@ def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
         "predicted_greedy_tau": trained["after"]["greedy_tau"],
         "measured": measured,
     }
+
+
+def evals_of_draft(folder: RunFolder, evals: list[dict]):
+    """(mode, method figures, results) of every eval method that measured the run's trained
+    draft: 'speculative' of an eval whose own draft it is, 'speculative:<run name>' of one
+    that compared it; mode 'chain' or the method's '+<mode>'."""
+    for results in evals:
+        # the eval's own draft: "<path> (<kind>, ...)"
+        own = results["draft"] is not None and Path(results["draft"].split(" (")[0]).resolve() \
+            == folder.draft.resolve()
+        for name, m in results["methods"].items():
+            base, _, mode = name.partition("+")
+            if base == f"speculative:{folder.root.name}" or (own and base == "speculative"):
+                yield mode or "chain", m, results
 
 
 def log_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
