@@ -285,6 +285,21 @@ def stage1_rows(out: Path) -> dict:
     return {r["id"]: {k: r[k] for k in STAGE1_ROW} for r in read_columns(out / "data", STAGE1_ROW)}
 
 
+def write_six_conversations(run: Path) -> None:
+    """Stage-1 shards of six one-turn conversations c0..c5 (c5 held out), conversation i having
+    generated 10 * (i + 1) tokens: the data the reports over run folders are checked on."""
+    from runfolder import ShardWriter
+
+    writer = ShardWriter(run / "data", rank=0, shard_size=8, top_k=0)
+    for i in range(6):
+        writer.add({"id": f"c{i}", "source": "s", "split": "train" if i < 5 else "held_out",
+                    "messages": "[]", "input_ids": [1, 2], "loss_mask": [0, 1], "num_turns": 1,
+                    "generated_tokens": 10 * (i + 1), "retokenized_replies": 0,
+                    "finish_reasons": ["stop"], "backend": "vllm"})
+    writer.end_batch()
+    writer.close()
+
+
 def logged_chains(draft) -> list:
     """The (tokens, draft logits) of every chain the draft proposes from now on."""
     chains, propose = [], draft.propose

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from eval.tau_vs_data import log_fit, main
-from runfolder.shards import ShardWriter
+from tests.helpers import write_six_conversations
 
 
 def test_log_fit_recovers_gain_per_decade():
@@ -16,14 +16,7 @@ def test_log_fit_recovers_gain_per_decade():
 
 def _run(root, name, max_conversations, tau):
     run = root / name
-    writer = ShardWriter(run / "data", rank=0, shard_size=8, top_k=0)
-    for i in range(6):
-        writer.add({"id": f"c{i}", "source": "s", "split": "train" if i < 5 else "held_out",
-                    "messages": "[]", "input_ids": [1, 2], "loss_mask": [0, 1], "num_turns": 1,
-                    "generated_tokens": 10 * (i + 1), "retokenized_replies": 0,
-                    "finish_reasons": ["stop"], "backend": "vllm"})
-    writer.end_batch()
-    writer.close()
+    write_six_conversations(run)
     (run / "train" / "draft").mkdir(parents=True)
     (run / "train" / "draft" / "config.yaml").write_text(
         yaml.safe_dump({"train": {"max_conversations": max_conversations}}))

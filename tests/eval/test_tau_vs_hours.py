@@ -7,19 +7,12 @@ import pytest
 import yaml
 
 from eval.tau_vs_hours import main
-from runfolder.shards import ShardWriter
+from tests.helpers import write_six_conversations
 
 
 def _run(root, log):
     run = root / "large"
-    writer = ShardWriter(run / "data", rank=0, shard_size=8, top_k=0)
-    for i in range(6):  # c0..c3 train, c4 train beyond max_conversations, c5 held out
-        writer.add({"id": f"c{i}", "source": "s", "split": "train" if i < 5 else "held_out",
-                    "messages": "[]", "input_ids": [1, 2], "loss_mask": [0, 1], "num_turns": 1,
-                    "generated_tokens": 10 * (i + 1), "retokenized_replies": 0,
-                    "finish_reasons": ["stop"], "backend": "vllm"})
-    writer.end_batch()
-    writer.close()
+    write_six_conversations(run)  # c0..c3 trained on (max_conversations 4), c5 held out
     (run / "train" / "draft").mkdir(parents=True)
     (run / "train" / "config.yaml").write_text(yaml.safe_dump(
         {"train": {"max_conversations": 4, "micro_batch_size": 2,
@@ -69,7 +62,8 @@ def test_measured_stage_1_seconds_replace_the_estimate(tmp_path):
     run = _run(tmp_path, [_eval(0, 1.0), _step(1, 100, 10.0), _eval(1, 1.1)])
     assert main(["--run", str(run), "--stage1-seconds", "7200", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "tau_vs_hours.json").read_text())
-    assert [p["hours"] for p in result["points"]] == pytest.approx([2.0 + 400 / 3600, 2.0 + 410 / 3600])
+    assert [p["hours"] for p in result["points"]] == pytest.approx([2.0 + 400 / 3600,
+                                                                    2.0 + 410 / 3600])
     assert result["measured"] == {}  # not trained to the end yet
 
 
