@@ -99,6 +99,16 @@ class FeatureCache:
         return TargetHidden(last.to(device), aux.to(device), embeds)
 
 
+def _add_dump_seconds(manifest_path: Path, seconds: float) -> None:
+    """Adds seconds to the manifest's dump_seconds, replacing the file whole (a kill leaves the
+    old manifest or the new one, never half of one)."""
+    manifest = json.loads(manifest_path.read_text())
+    manifest["dump_seconds"] = manifest.get("dump_seconds", 0.0) + seconds
+    tmp = manifest_path.with_name(f".{manifest_path.name}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, manifest_path)
+
+
 def _shard_count(examples: list[Example]) -> int:
     return -(-len(examples) // SHARD_SIZE)
 
@@ -152,6 +162,7 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
                "GiB each)" if world > 1 else ""))
     barrier()
     began, written = time.perf_counter(), 0
+    counted = began  # the dump's seconds reach the manifest shard by shard: a resume adds its own
     for index in missing:
         if index % world != rank:
             continue
@@ -172,12 +183,12 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-        elapsed = time.perf_counter() - began
+        now = time.perf_counter()
+        if rank == 0:  # the dump's cost, for the tau-vs-data table (rank 0's share)
+            _add_dump_seconds(manifest_path, now - counted)
+            counted = now
+        elapsed = now - began
         log(f"[train] features shard {index + 1}/{_shard_count(examples)} written "
             f"({written:,} tokens in {elapsed:.0f} s, {written / elapsed:.0f} tokens/s)")
-    if rank == 0 and written:  # the dump's cost, for the tau-vs-data table (rank 0's share)
-        manifest = json.loads(manifest_path.read_text())
-        manifest["dump_seconds"] = manifest.get("dump_seconds", 0.0) + time.perf_counter() - began
-        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     barrier()
     return FeatureCache(folder, examples, tcfg.max_seq_len)

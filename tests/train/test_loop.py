@@ -328,6 +328,39 @@ def test_an_eagle3_head_learns_the_target(tiny_run, features):
         assert 0 < json.loads((cache / "manifest.json").read_text())["dump_seconds"] < wall
 
 
+def test_an_interrupted_feature_dump_keeps_its_seconds_and_the_resume_adds_its_own(tiny_run,
+                                                                                   monkeypatch):
+    import safetensors.torch
+
+    monkeypatch.setattr("train.features.SHARD_SIZE", 4)
+    save_file, calls = safetensors.torch.save_file, []
+
+    def killed_at_the_third_shard(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr("safetensors.torch.save_file", killed_at_the_third_shard)
+    cfg = tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2",
+                   "train.save_every=2", "train.eval_every=2")
+    with pytest.raises(KeyboardInterrupt):
+        _train(cfg)
+    cache = cfg.run.output_path / "features"
+    assert len(list(cache.glob("features-*.safetensors"))) == 2
+    first = json.loads((cache / "manifest.json").read_text())["dump_seconds"]
+    assert first > 0  # the two shards' seconds survive the kill
+
+    monkeypatch.setattr("safetensors.torch.save_file", save_file)
+    began = time.perf_counter()
+    _train(cfg)
+    wall = time.perf_counter() - began
+    shards = len(list(cache.glob("features-*.safetensors")))
+    assert shards > 2
+    total = json.loads((cache / "manifest.json").read_text())["dump_seconds"]
+    assert first < total < first + wall  # the resume's seconds added, no shard counted twice
+
+
 def test_feature_noise_and_the_target_init_train(tiny_run):
     cfg = tiny_run(*EAGLE3, "train.feature_noise=0.2", "train.head_init=target",
                    "train.max_steps=3", "train.save_every=3", "train.eval_every=3")
