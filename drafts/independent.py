@@ -199,6 +199,10 @@ class LMHead:
         return nn.functional.linear(hidden, head.weight[rows],
                                     None if head.bias is None else head.bias[rows])
 
+    @property
+    def target_rows(self) -> torch.Tensor | None:
+        return None if self.vocabulary is None else self.vocabulary.ids
+
     def restrict(self, target_logits, labels):
         if self.vocabulary is None:
             return target_logits, labels

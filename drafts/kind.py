@@ -156,9 +156,13 @@ class TrainableDraft(Protocol):
                 target_hidden: TargetHidden | None = None) -> torch.Tensor:
         """-> draft logits [M, Vd], the slots' rows in order."""
 
+    target_rows: torch.Tensor | None
+    """[Vd] the target ids its loss scores (its draft vocabulary); None: all V. Training
+    computes the target's logits on these rows alone."""
+
     def restrict(self, target_logits, labels):
-        """Target logits [N, V] and labels [N] -> what the draft's [M, Vd] rows are scored
-        against."""
+        """Target logits [N, V] (or [N, Vd], already on target_rows) and labels [N] -> what the
+        draft's [M, Vd] rows are scored against."""
 
     def expand(self, draft_logits):
         """Draft logits [M, Vd] -> [M, V] over the target's vocabulary (for acceptance)."""
@@ -166,6 +170,8 @@ class TrainableDraft(Protocol):
 
 class SameVocabulary:
     """Drafts that predict over the target's own vocabulary: nothing to map."""
+
+    target_rows = None
 
     def restrict(self, target_logits, labels):
         return target_logits, labels

@@ -72,8 +72,11 @@ class DraftVocabulary:
 
     def restrict(self, target_logits: torch.Tensor | None, labels: torch.Tensor):
         """The target's logits [N, V] on the draft's ids [N, Vd] (a softmax over them is the
-        target renormalised there) and labels [N] as draft ids (IGNORE outside)."""
-        restricted = None if target_logits is None else target_logits[:, self.ids]
+        target renormalised there; logits already [N, Vd] are on them) and labels [N] as draft
+        ids (IGNORE outside)."""
+        restricted = target_logits
+        if target_logits is not None and target_logits.shape[-1] != len(self.ids):
+            restricted = target_logits[:, self.ids]
         return restricted, self.index[labels]
 
     def logits(self, draft_logits: torch.Tensor) -> torch.Tensor:

@@ -132,11 +132,19 @@ class Dist:
 
 
 @torch.no_grad()
-def target_logits(target, batch: Batch, hidden: TargetHidden | None = None) -> torch.Tensor:
-    """The frozen target's logits at the batch's loss positions: [N, V]."""
+def target_logits(target, batch: Batch, hidden: TargetHidden | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The frozen target's logits at the batch's loss positions: [N, V], or with rows [Vd]
+    (a draft vocabulary's target ids) those columns alone, [N, Vd], for a sixth of the
+    arithmetic when Vd = V / 6."""
     hidden = target_hidden(target, batch) if hidden is None else hidden
-    weight = target.get_output_embeddings().weight
-    return target.get_output_embeddings()(hidden.last[batch.pred_mask].to(weight.dtype)).float()
+    head = target.get_output_embeddings()
+    last = hidden.last[batch.pred_mask].to(head.weight.dtype)  # [N, H]
+    if rows is None:
+        return head(last).float()
+    rows = rows.to(head.weight.device)
+    bias = None if getattr(head, "bias", None) is None else head.bias[rows]
+    return torch.nn.functional.linear(last, head.weight[rows], bias).float()
 
 
 def slot_loss(cfg: TrainConfig, model, slots, draft_logits: torch.Tensor,
@@ -390,6 +398,9 @@ class TargetSignal:
     topk: bool
     """Offline batches take stage 1's top-k log-probs instead of a target forward."""
     vocab_size: int
+    rows: torch.Tensor | None = None
+    """The target ids the draft's loss scores (its draft vocabulary): online logits are
+    computed on these alone. None: all V."""
     features: FeatureCache | None = None
 
     @classmethod
@@ -397,7 +408,8 @@ class TargetSignal:
         return cls(target, autocast, trainable.aux_layers, trainable.needs_target_hidden,
                    any(name != "ce" for _, name in cfg.train.loss_terms),
                    cfg.train.target_logits == "topk",
-                   target.get_output_embeddings().weight.shape[0])
+                   target.get_output_embeddings().weight.shape[0],
+                   trainable.target_rows)
 
     def hidden(self, batch: Batch) -> TargetHidden:
         """The target's hidden states for a batch: from the feature cache, or a forward."""
@@ -408,7 +420,8 @@ class TargetSignal:
 
     def __call__(self, batch: Batch) -> tuple[TargetHidden | None, torch.Tensor | None]:
         """-> (hidden states when the draft or the target's logits need them, target logits
-        [N, V] at the batch's loss positions or None)."""
+        at the batch's loss positions or None: [N, Vd] on self.rows when computed here, [N, V]
+        from stage 1's top-k)."""
         online = not self.topk or batch.on_policy  # the draft's own samples have no stored top-k
         hidden = None
         if self.draft_reads_hidden or (self.logits and online):
@@ -418,7 +431,7 @@ class TargetSignal:
         if not online:
             return hidden, stored_target_logits(batch, self.vocab_size)
         with self.autocast():
-            return hidden, target_logits(self.target, batch, hidden)
+            return hidden, target_logits(self.target, batch, hidden, self.rows)
 
 
 def train_draft(cfg: Config, accelerator) -> TrainSummary:

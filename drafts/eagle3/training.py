@@ -91,10 +91,15 @@ class Eagle3ForTraining(nn.Module):
         return torch.cat([self.lm.logits(outputs[s.position - 1][s.starts[:, 0], s.starts[:, 1]])
                           for s in self.slots(pred_mask)])  # [M, Vd]
 
+    @property
+    def target_rows(self) -> torch.Tensor:
+        return self.lm.draft_to_target  # [Vd]
+
     def restrict(self, target_logits, labels):
-        ids = self.lm.draft_to_target
         index = draft_index(self.lm.d2t, self.lm.vocab_size)
-        restricted = None if target_logits is None else target_logits[:, ids]  # [N, Vd]
+        restricted = target_logits  # [N, Vd], or [N, V] to restrict here
+        if target_logits is not None and target_logits.shape[-1] != self.lm.draft_vocab_size:
+            restricted = target_logits[:, self.lm.draft_to_target]
         return restricted, index[labels]  # labels outside the draft vocabulary -> IGNORE
 
     def expand(self, draft_logits):
