@@ -25,7 +25,7 @@ from drafts.folders import read_config
 from drafts.fused import CompiledSteps
 from drafts.kind import LoadedDraft, Slot, TargetHidden
 from drafts.slot_lm import FusedDecoder, SlotLM
-from drafts.vocabulary import DraftVocabulary, frequent_labels
+from drafts.vocabulary import DraftVocabulary, frequent_labels, logits_on_rows
 from recipe import ConfigError, TrainConfig
 
 # --- initial drafts --------------------------------------------------------------------------
@@ -195,9 +195,7 @@ class LMHead:
         head = self.lm.get_output_embeddings()
         if self.vocabulary is None:
             return head(hidden)
-        rows = self.vocabulary.to(hidden.device).ids
-        return nn.functional.linear(hidden, head.weight[rows],
-                                    None if head.bias is None else head.bias[rows])
+        return logits_on_rows(head, hidden, self.vocabulary.ids)
 
     @property
     def target_rows(self) -> torch.Tensor | None:

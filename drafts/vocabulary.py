@@ -52,6 +52,14 @@ def scatter(draft_values: torch.Tensor, ids: torch.Tensor, vocab_size: int,
     return full.index_copy(-1, ids, draft_values)
 
 
+def logits_on_rows(head: torch.nn.Linear, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """An lm_head's logits on some of its rows alone: hidden [..., H], rows [Vd] -> [..., Vd]
+    (Vd / V of the arithmetic of head(hidden)[..., rows])."""
+    rows = rows.to(head.weight.device)
+    return torch.nn.functional.linear(hidden, head.weight[rows],
+                                      None if head.bias is None else head.bias[rows])
+
+
 class DraftVocabulary:
     """Sorted target ids [Vd] a draft scores, out of the target's V: the maps between them."""
 

@@ -34,6 +34,7 @@ from assets.target import (
 )
 from decoding.acceptance import acceptance_grid, chain_sums, match_probability, split, summarize
 from drafts import TargetHidden, check_train_config
+from drafts.vocabulary import logits_on_rows
 from recipe import Config, ConfigError, TrainConfig
 from runfolder import identity_differences, run_folder
 from train.data import (
@@ -140,11 +141,7 @@ def target_logits(target, batch: Batch, hidden: TargetHidden | None = None,
     hidden = target_hidden(target, batch) if hidden is None else hidden
     head = target.get_output_embeddings()
     last = hidden.last[batch.pred_mask].to(head.weight.dtype)  # [N, H]
-    if rows is None:
-        return head(last).float()
-    rows = rows.to(head.weight.device)
-    bias = None if getattr(head, "bias", None) is None else head.bias[rows]
-    return torch.nn.functional.linear(last, head.weight[rows], bias).float()
+    return (head(last) if rows is None else logits_on_rows(head, last, rows)).float()
 
 
 def slot_loss(cfg: TrainConfig, model, slots, draft_logits: torch.Tensor,
