@@ -65,6 +65,44 @@ def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
     return chain_sums(a.double().unfold(1, k, 1), valid.unfold(1, k, 1))  # [B, T-k+1, k] each
 
 
+def greedy_walk(grid: torch.Tensor, valid: torch.Tensor, pred_mask: torch.Tensor
+                ) -> tuple[int, list[int]]:
+    """What a greedy chain engine realises on the target's own greedy text, from the grid of
+    argmax matches: (drafting steps, accepted per draft position [k]), as an engine counts them.
+
+    Averaging over every start position (chain_sums) weighs easy stretches, which an engine
+    crosses in few long steps, as much as hard ones, where it steps one token at a time, so it
+    overstates tau. The walk steps as the engine does: in each reply (a run of pred_mask
+    positions a..e), the first chain starts at a, reading the prompt's last state and the first
+    reply token; L leading accepted draft positions end the step, and the next one starts at
+    s + L + 1 (the bonus token's state), until the reply's last token is written (s = e).
+    grid [B, T, k] 0/1 (grid[b, s, j-1]: draft position j of the chain starting at s matches the
+    target), valid [B, T, k] bool, pred_mask [B, T] bool."""
+    k = grid.shape[-1]
+    matched = (grid.bool() & valid).tolist()
+    steps, accepted = 0, [0] * k
+    for row, mask in zip(matched, pred_mask.tolist()):
+        t = 0
+        while t < len(mask):
+            if not mask[t]:
+                t += 1
+                continue
+            end = t
+            while end + 1 < len(mask) and mask[end + 1]:
+                end += 1
+            s = t
+            while s < end:  # x_{s+1} is written; x_{s+2}.. x_{end+1} are still to come
+                length = 0
+                while length < min(k, end - s) and row[s][length]:
+                    length += 1
+                steps += 1
+                for j in range(length):
+                    accepted[j] += 1
+                s += length + 1
+            t = end + 1
+    return steps, accepted
+
+
 def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:
     """(sums [k], windows) pooled over batches -> tau and alpha_1..alpha_k."""
     if windows == 0:

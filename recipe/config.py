@@ -456,6 +456,7 @@ class EvalConfig(DecodeSettings):
 
 
 LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")
+BEST_BY = ("greedy_tau", "walk_tau", "tau")
 
 
 def parse_loss(spec: str) -> list[tuple[float, str]]:
@@ -591,7 +592,9 @@ class TrainConfig:
     step's draft kept in train/last when it is another) or 'last' (the last step's)."""
     best_by: str = "greedy_tau"
     """The held-out figure 'best' maximises: 'greedy_tau' (predicted tau at eval_k for greedy
-    decoding) or 'tau' (for sampling at temperature 1)."""
+    decoding, averaged over every start position), 'walk_tau' (the tau a greedy chain engine
+    realises on the held-out replies, stepping as it does: decoding.acceptance.greedy_walk) or
+    'tau' (for sampling at temperature 1)."""
     max_conversations: int | None = None
     """Train on the first N training conversations by id (a fixed subset, nested across N: the
     tau-vs-data curve trains on 24 < 80 < 240 of one data set); None: all."""
@@ -621,9 +624,9 @@ class TrainConfig:
                      "on_policy_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be >= 1.")
-        if self.keep not in ("best", "last") or self.best_by not in ("greedy_tau", "tau"):
+        if self.keep not in ("best", "last") or self.best_by not in BEST_BY:
             raise ConfigError(f"train.keep={self.keep!r} / train.best_by={self.best_by!r}: keep "
-                              "is 'best' or 'last', best_by 'greedy_tau' or 'tau'.")
+                              f"is 'best' or 'last', best_by one of {list(BEST_BY)}.")
         if self.learning_rate <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("train.learning_rate must be > 0 and train.min_lr_ratio in [0, 1].")
         if self.warmup_steps < 0 or self.warmup_steps >= self.max_steps:

@@ -32,7 +32,15 @@ from assets.target import (
     load_tokenizer,
     resolve_target,
 )
-from decoding.acceptance import acceptance_grid, chain_sums, match_probability, split, summarize
+from decoding.acceptance import (
+    acceptance_grid,
+    chain_sums,
+    greedy_walk,
+    match_probability,
+    rates,
+    split,
+    summarize,
+)
 from drafts import TargetHidden, check_train_config
 from drafts.vocabulary import logits_on_rows
 from recipe import Config, ConfigError, TrainConfig
@@ -346,11 +354,15 @@ class _Log:
 def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
                       device: torch.device, hidden_of=None) -> dict:
     """Loss and predicted acceptance (tau, alpha_1..alpha_k for k = eval_k) on held-out data,
-    for sampling at temperature 1 (sum min(p, q)) and for greedy decoding (argmax match)."""
+    for sampling at temperature 1 (sum min(p, q)) and for greedy decoding (argmax match), each
+    averaged over every start position; and walk_tau / walk_alpha, what a greedy chain engine
+    realises stepping through the same replies (decoding.acceptance.greedy_walk), which is lower
+    where acceptance varies along a reply."""
     k, trained = cfg.eval_k, _unwrap(model)
     sums = {"sampled": torch.zeros(k, dtype=torch.float64),
             "greedy": torch.zeros(k, dtype=torch.float64)}
     windows, loss_sum, tokens = 0, 0.0, 0
+    walk_steps, walk_accepted = 0, [0] * k
     for batch in batches:
         batch = batch.to(device)
         pred, slots = batch.pred_mask, trained.slots(batch.pred_mask)
@@ -366,10 +378,17 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
             grid, valid = acceptance_grid(values, slots, pred, k)
             chain, n = chain_sums(grid.cpu(), valid.cpu())
             sums[mode] += chain
+            if mode == "greedy":
+                steps, accepted = greedy_walk(grid.cpu(), valid.cpu(), pred.cpu())
+                walk_steps += steps
+                walk_accepted = [a + b for a, b in zip(walk_accepted, accepted)]
         windows += n
     sampled, greedy = summarize(sums["sampled"], windows), summarize(sums["greedy"], windows)
+    walk_tau, walk_alpha = rates(walk_steps, walk_accepted, [walk_steps] * k)
     return {"loss": loss_sum / max(tokens, 1), "tau": sampled.tau, "alpha": sampled.alpha,
-            "greedy_tau": greedy.tau, "greedy_alpha": greedy.alpha, "windows": windows, "k": k}
+            "greedy_tau": greedy.tau, "greedy_alpha": greedy.alpha, "windows": windows, "k": k,
+            "walk_tau": walk_tau, "walk_alpha": [round(a, 6) for a in walk_alpha],
+            "walk_steps": walk_steps}
 
 
 def _unwrap(model):
@@ -483,7 +502,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         model.train()
         accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
                           f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
-                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy, "
+                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy "
+                          f"({result['walk_tau']:.3f} as a greedy engine steps), "
                           f"alpha {result['alpha']}")
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
         better = (tcfg.keep == "best" and state.optimizer_step > 0 and

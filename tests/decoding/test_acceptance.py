@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from decoding.acceptance import chained_acceptance, match_probability, summarize
+from decoding.acceptance import (
+    chain_sums,
+    chained_acceptance,
+    greedy_walk,
+    match_probability,
+    summarize,
+)
 from train.divergences import tvd
 
 
@@ -59,3 +65,26 @@ def test_match_probability_is_one_minus_tvd_and_greedy_is_argmax_agreement():
 def test_no_window_is_an_error():
     with pytest.raises(ValueError, match="no window"):
         _predict([0.5, 0.5], [True, True], k=3)
+
+
+def test_the_greedy_walk_steps_as_an_engine_and_restarts_in_each_reply():
+    """Matches a[t] (the target's token at t predicted) over two replies of one row: positions
+    0..6 (an easy stretch, then a hard one) and 9..10. The engine's steps, by hand: in the first
+    reply s=0 accepts 2 (next s=3), s=3, 4 and 5 accept none (the last drafts 1 position); in
+    the second, s=9 drafts 1 position and accepts it. Averaging over start positions instead
+    counts the easy stretch once per start and says tau 2.0 for the first reply alone."""
+    k = 2
+    a = [0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0]
+    pred = torch.tensor([[t <= 6 or t in (9, 10) for t in range(len(a))]])
+    grid = torch.zeros(1, len(a), k)
+    valid = torch.zeros(1, len(a), k, dtype=torch.bool)
+    for s in range(len(a)):
+        for j in range(1, k + 1):
+            if s + j < len(a) and pred[0, s] and pred[0, s + j]:
+                grid[0, s, j - 1], valid[0, s, j - 1] = a[s + j], True
+    assert greedy_walk(grid, valid, pred) == (5, [2, 1])
+    first = pred.clone()
+    first[0, 9:] = False
+    assert greedy_walk(grid, valid & first[..., None], first) == (4, [1, 1])  # tau 1.5
+    sums, windows = chain_sums(grid * first[..., None], valid & first[..., None])
+    assert summarize(sums, windows).tau == pytest.approx(2.0)

@@ -151,7 +151,7 @@ def test_training_time_test_matches_the_serving_cache(target, fused):
 def test_quantised_weights_keep_the_output_the_targets(target, weights, linear):
     """A head on int8 or int4 weights drafts, and greedy output is still the target's; the
     draft makes its FusedLayer again once the head's weights change."""
-    prompts, ids, mask = _prompts([5, 11, 8])
+    _, ids, mask = _prompts([5, 11, 8])
     plain = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set())
     draft = Eagle3Draft(_head(target), target.get_input_embeddings(), weights=weights)
     spec = generate(target, ids, mask, DecodeSettings(max_new_tokens=16, k=3), set(), draft)
@@ -503,3 +503,52 @@ def test_target_logits_on_the_draft_vocabulary_alone_give_the_same_loss(target):
         grads.append((float(loss.detach()), head.fc.weight.grad.clone()))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
     torch.testing.assert_close(grads[0][1], grads[1][1])
+
+
+def test_the_greedy_walk_predicts_exactly_what_the_engine_counts(target):
+    """On the replies our engine wrote greedily, the held-out evaluation's walk reproduces the
+    engine's drafting steps and accepted-per-position counters (the head is fitted a little to
+    these replies so that it both accepts and rejects)."""
+    from recipe import TrainConfig
+    from train.loop import evaluate_held_out, slot_loss
+
+    k = 3
+    _, ids, mask = _prompts([5, 11, 8])
+    settings = DecodeSettings(max_new_tokens=40, temperature=0.0, k=k)
+    plain = generate(target, ids, mask, settings, {EOS})
+
+    def examples_of(replies):
+        prompts = [ids[row][mask[row].bool()].tolist() for row in range(len(replies))]
+        return [Example(str(row), p + r, [0] * len(p) + [1] * len(r))
+                for row, (p, r) in enumerate(zip(prompts, replies))]
+
+    head = _head(target).train()
+    model = Eagle3ForTraining(head, steps=k, decay=0.8)
+    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=k, ttt_steps=k)
+    batch = collate(examples_of(plain.tokens), 0, 128)
+    features = target_hidden(target, batch, AUX)
+    p_logits = target.lm_head(features.last[batch.pred_mask]).detach()
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(25):
+        logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, features)
+        loss = slot_loss(cfg, model, model.slots(batch.pred_mask), logits, p_logits,
+                         batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    head.eval()
+
+    out = generate(target, ids, mask, settings, {EOS},
+                   Eagle3Draft(head, target.get_input_embeddings()))
+    assert out.tokens == plain.tokens
+    examples = examples_of(out.tokens)
+    batches = [collate(examples[:2], 0, 128), collate(examples[2:], 0, 128)]
+    with torch.no_grad():
+        result = evaluate_held_out(model, target, batches, cfg, torch.device("cpu"),
+                                   lambda b: target_hidden(target, b, AUX))
+    steps = sum(s.steps for s in out.stats)
+    accepted = [sum(s.accepted_per_position[j] for s in out.stats) for j in range(k)]
+    assert 0 < accepted[0] < steps  # the draft both accepts and rejects
+    assert result["walk_steps"] == steps
+    assert result["walk_alpha"] == [round(a / steps, 6) for a in accepted]
+    assert result["walk_tau"] == pytest.approx(1 + sum(accepted) / steps)

@@ -89,3 +89,19 @@ def test_an_interrupted_run_keeps_the_best_it_had_found(tiny_run, scripted, monk
     assert summary.resumed_from == 3
     assert _record(train / "draft")["kept"]["optimizer_step"] == 3
     assert _record(train / "last")["optimizer_steps"] == 6
+
+
+def test_best_by_walk_tau_keeps_the_walks_best(tiny_run, monkeypatch):
+    """train.best_by=walk_tau picks by the engine-realised figure, whatever greedy_tau says."""
+    walks, greedy = [1.0, 1.6, 1.2], [1.0, 1.5, 2.0]  # optimizer_step 0, 3, 6
+    real = loop.evaluate_held_out
+
+    def evaluate(*args, **kwargs):
+        return {**real(*args, **kwargs), "walk_tau": walks.pop(0), "greedy_tau": greedy.pop(0)}
+
+    monkeypatch.setattr(loop, "evaluate_held_out", evaluate)
+    cfg = tiny_run("train.best_by=walk_tau")
+    summary = _train(cfg)
+    kept = _record(cfg.run.output_path / "train" / "draft")
+    assert kept["kept"]["by"] == "walk_tau" and kept["kept"]["optimizer_step"] == 3
+    assert summary.after["walk_tau"] == 1.6 and summary.after["greedy_tau"] == 1.5
