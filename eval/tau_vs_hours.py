@@ -65,7 +65,10 @@ def curve(run: Path, stage1_seconds: float | None, stage1_tokens_per_s: float | 
                        "train_seconds": train_seconds,
                        "hours": (stage1_seconds + feature_seconds + train_seconds) / 3600,
                        "predicted_tau": entry["held_out"]["tau"],
-                       "predicted_greedy_tau": entry["held_out"]["greedy_tau"]})
+                       "predicted_greedy_tau": entry["held_out"]["greedy_tau"],
+                       # what a greedy chain engine realises on the same replies (logs since
+                       # the walk was added; None in older ones)
+                       "walk_tau": entry["held_out"].get("walk_tau")})
     return {"run": run.name, "conversations": len(train), "held_out": len(held_out),
             "stage1_seconds": stage1_seconds, "feature_seconds": feature_seconds,
             "points": points, "measured": measured(folder, evals)}
@@ -83,11 +86,17 @@ def measured(folder: RunFolder, evals: list[dict]) -> dict:
 
 
 def table(result: dict) -> str:
+    walk = any(p.get("walk_tau") is not None for p in result["points"])
     lines = ["| optimizer_step | epochs | CPU-hours (stage 1 + features + training) | "
-             "predicted tau sampled / greedy |", "|---|---|---|---|"]
+             "predicted tau sampled / greedy |" + (" greedy tau as an engine steps |" if walk
+                                                    else ""),
+             "|---|---|---|---|" + ("---|" if walk else "")]
     for p in result["points"]:
-        lines.append(f"| {p['optimizer_step']} | {p['epochs']:.2f} | {p['hours']:.2f} | "
-                     f"{p['predicted_tau']:.3f} / {p['predicted_greedy_tau']:.3f} |")
+        row = (f"| {p['optimizer_step']} | {p['epochs']:.2f} | {p['hours']:.2f} | "
+               f"{p['predicted_tau']:.3f} / {p['predicted_greedy_tau']:.3f} |")
+        if walk:
+            row += f" {p['walk_tau']:.3f} |" if p.get("walk_tau") is not None else " - |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -100,7 +109,11 @@ def plot(result: dict, path: Path) -> None:
     points = result["points"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p["hours"] for p in points], [p["predicted_greedy_tau"] for p in points], "o--",
-            label="predicted (held-out, greedy)")
+            label="predicted (held-out, greedy, averaged over start positions)")
+    walked = [p for p in points if p.get("walk_tau") is not None]
+    if walked:
+        ax.plot([p["hours"] for p in walked], [p["walk_tau"] for p in walked], "o-",
+                label="predicted (held-out, greedy, as an engine steps)")
     at = {p["optimizer_step"]: p["hours"] for p in points}
     for mode, m in result["measured"].items():
         if m["optimizer_step"] in at:

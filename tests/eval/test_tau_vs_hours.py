@@ -71,3 +71,16 @@ def test_a_log_without_its_steps_is_refused(tmp_path):
     run = _run(tmp_path, [_eval(0, 1.0), _eval(5, 1.1)])
     with pytest.raises(ValueError, match="optimizer_step 5 without that step's entry"):
         main(["--run", str(run), "--stage1-seconds", "1", "--out", str(tmp_path)])
+
+
+def test_the_walk_is_a_column_where_the_log_has_it(tmp_path, capsys):
+    older = _eval(0, 1.0)  # a log from before the walk: no walk_tau there
+    newer = _eval(1, 1.2)
+    newer["held_out"]["walk_tau"] = 1.1
+    run = _run(tmp_path, [older, _step(1, 100, 10.0), newer])
+    assert main(["--run", str(run), "--stage1-seconds", "3600", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "tau_vs_hours.json").read_text())
+    assert [p["walk_tau"] for p in result["points"]] == [None, 1.1]
+    out = capsys.readouterr().out
+    assert "| 0 | 0.00 | 1.11 | 0.900 / 1.000 | - |" in out
+    assert "| 1 | 0.50 | 1.11 | 1.100 / 1.200 | 1.100 |" in out
