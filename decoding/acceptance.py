@@ -66,7 +66,7 @@ def chained_acceptance(a: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[to
 
 
 def greedy_walk(grid: torch.Tensor, valid: torch.Tensor, pred_mask: torch.Tensor
-                ) -> tuple[int, list[int]]:
+                ) -> tuple[int, list[int]] | None:
     """What a greedy chain engine realises on the target's own greedy text, from the grid of
     argmax matches: (drafting steps, accepted per draft position [k]), as an engine counts them.
 
@@ -77,11 +77,13 @@ def greedy_walk(grid: torch.Tensor, valid: torch.Tensor, pred_mask: torch.Tensor
     reply token; L leading accepted draft positions end the step, and the next one starts at
     s + L + 1 (the bonus token's state), until the reply's last token is written (s = e).
     grid [B, T, k] 0/1 (grid[b, s, j-1]: draft position j of the chain starting at s matches the
-    target), valid [B, T, k] bool, pred_mask [B, T] bool."""
+    target), valid [B, T, k] bool, pred_mask [B, T] bool. None when a start the walk reaches was
+    not scored at every draft position it drafts (drafters trained on a random subset of block
+    starts, train.block_starts > 0, score only those)."""
     k = grid.shape[-1]
-    matched = (grid.bool() & valid).tolist()
+    matched, scored = (grid.bool() & valid).tolist(), valid.tolist()
     steps, accepted = 0, [0] * k
-    for row, mask in zip(matched, pred_mask.tolist()):
+    for row, ok, mask in zip(matched, scored, pred_mask.tolist()):
         t = 0
         while t < len(mask):
             if not mask[t]:
@@ -92,6 +94,8 @@ def greedy_walk(grid: torch.Tensor, valid: torch.Tensor, pred_mask: torch.Tensor
                 end += 1
             s = t
             while s < end:  # x_{s+1} is written; x_{s+2}.. x_{end+1} are still to come
+                if not all(ok[s][:min(k, end - s)]):
+                    return None
                 length = 0
                 while length < min(k, end - s) and row[s][length]:
                     length += 1

@@ -627,6 +627,11 @@ class TrainConfig:
         if self.keep not in ("best", "last") or self.best_by not in BEST_BY:
             raise ConfigError(f"train.keep={self.keep!r} / train.best_by={self.best_by!r}: keep "
                               f"is 'best' or 'last', best_by one of {list(BEST_BY)}.")
+        if self.best_by == "walk_tau" and self.block_starts > 0:
+            raise ConfigError(f"train.best_by=walk_tau steps through every held-out reply, but "
+                              f"train.block_starts={self.block_starts} scores only that many "
+                              "block starts per conversation: set train.block_starts=0 (every "
+                              "start) or train.best_by=greedy_tau.")
         if self.learning_rate <= 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("train.learning_rate must be > 0 and train.min_lr_ratio in [0, 1].")
         if self.warmup_steps < 0 or self.warmup_steps >= self.max_steps:

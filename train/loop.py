@@ -378,17 +378,22 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
             grid, valid = acceptance_grid(values, slots, pred, k)
             chain, n = chain_sums(grid.cpu(), valid.cpu())
             sums[mode] += chain
-            if mode == "greedy":
-                steps, accepted = greedy_walk(grid.cpu(), valid.cpu(), pred.cpu())
-                walk_steps += steps
-                walk_accepted = [a + b for a, b in zip(walk_accepted, accepted)]
+            if mode == "greedy" and walk_steps is not None:
+                walk = greedy_walk(grid.cpu(), valid.cpu(), pred.cpu())
+                if walk is None:  # a start the walk reaches is unscored (block_starts > 0)
+                    walk_steps = None
+                else:
+                    walk_steps += walk[0]
+                    walk_accepted = [a + b for a, b in zip(walk_accepted, walk[1])]
         windows += n
     sampled, greedy = summarize(sums["sampled"], windows), summarize(sums["greedy"], windows)
-    walk_tau, walk_alpha = rates(walk_steps, walk_accepted, [walk_steps] * k)
+    walk_tau = walk_alpha = None
+    if walk_steps:
+        walk_tau, walk_alpha = rates(walk_steps, walk_accepted, [walk_steps] * k)
+        walk_alpha = [round(a, 6) for a in walk_alpha]
     return {"loss": loss_sum / max(tokens, 1), "tau": sampled.tau, "alpha": sampled.alpha,
             "greedy_tau": greedy.tau, "greedy_alpha": greedy.alpha, "windows": windows, "k": k,
-            "walk_tau": walk_tau, "walk_alpha": [round(a, 6) for a in walk_alpha],
-            "walk_steps": walk_steps}
+            "walk_tau": walk_tau, "walk_alpha": walk_alpha, "walk_steps": walk_steps}
 
 
 def _unwrap(model):
@@ -502,12 +507,15 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         model.train()
         accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
                           f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
-                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy "
-                          f"({result['walk_tau']:.3f} as a greedy engine steps), "
+                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy"
+                          + (f" ({result['walk_tau']:.3f} as a greedy engine steps)"
+                             if result["walk_tau"] is not None else "") + ", "
                           f"alpha {result['alpha']}")
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
-        better = (tcfg.keep == "best" and state.optimizer_step > 0 and
-                  (best is None or result[tcfg.best_by] > best["after"][tcfg.best_by]))
+        figure = result[tcfg.best_by]
+        better = (tcfg.keep == "best" and state.optimizer_step > 0 and figure is not None and
+                  (best is None or best["after"].get(tcfg.best_by) is None
+                   or figure > best["after"][tcfg.best_by]))
         if dist.sum(float(better and dist.is_main)) > 0:  # the main process decides for all
             best = _draft_record(state, before, result)
             _save_draft(accelerator, dist, model, tokenizer, cfg, run.best, best)

@@ -88,3 +88,15 @@ def test_the_greedy_walk_steps_as_an_engine_and_restarts_in_each_reply():
     assert greedy_walk(grid, valid & first[..., None], first) == (4, [1, 1])  # tau 1.5
     sums, windows = chain_sums(grid * first[..., None], valid & first[..., None])
     assert summarize(sums, windows).tau == pytest.approx(2.0)
+
+
+def test_a_walk_through_an_unscored_start_is_no_walk():
+    """A block drafter trained on some starts (train.block_starts > 0) scores only those: a walk
+    that reaches another start cannot say what the engine would accept there."""
+    pred = torch.tensor([[True] * 6 + [False]])
+    grid = torch.ones(1, 7, 2)
+    valid = torch.zeros(1, 7, 2, dtype=torch.bool)
+    valid[0, 0] = True  # start 0 scored (accepts 2, so the walk goes on at 3), start 3 not
+    assert greedy_walk(grid, valid, pred) is None
+    valid[0, 3] = True
+    assert greedy_walk(grid, valid, pred) == (2, [2, 2])

@@ -69,6 +69,9 @@ def test_unknown_key_in_yaml_lists_valid_keys(tmp_path):
     (["eval.draft_temperature=-0.5"], "0 for argmax drafting"),
     (["eval.draft_top_k=-1"], "null for the target's top_k"),
     (["eval.methods=[target, hf_assisted]", "eval.batch_size=4"], "batch 1 only"),
+    (["train.best_by=walk"], "best_by one of"),
+    (["train.draft=dflash", "train.block_starts=8", "train.best_by=walk_tau"],
+     "set train.block_starts=0"),
 ])
 def test_contradictions_rejected(overrides, message):
     with pytest.raises(ConfigError, match=message):
