@@ -319,6 +319,8 @@ def test_an_eagle3_head_learns_the_target(tiny_run, features):
     assert losses[6] < 0.8 * losses[1]
     assert summary.after["loss"] < summary.before["loss"]
     assert len(summary.after["alpha"]) == 3
+    # every block start scored (dflash) gives a walk; 4 random starts per conversation (pard) not
+    assert (summary.after["walk_tau"] is None) == ("train.block_starts=4" in kind)
     head_config = json.loads((summary.draft_dir / "config.json").read_text())
     assert head_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert head_config["draft_vocab_size"] == 1024
@@ -413,6 +415,8 @@ def test_a_parallel_drafter_learns_the_target(tiny_run, kind):
     assert summary.after["loss"] < summary.before["loss"]
     assert summary.after["tau"] > summary.before["tau"]
     assert len(summary.after["alpha"]) == 3
+    # every block start scored (dflash) gives a walk; 4 random starts per conversation (pard) not
+    assert (summary.after["walk_tau"] is None) == ("train.block_starts=4" in kind)
     saved = json.loads((summary.draft_dir / "config.json").read_text())
     if "dflash" in kind[0]:
         assert saved["architectures"] == ["DFlashDraftModel"]
