@@ -319,8 +319,7 @@ def test_an_eagle3_head_learns_the_target(tiny_run, features):
     assert losses[6] < 0.8 * losses[1]
     assert summary.after["loss"] < summary.before["loss"]
     assert len(summary.after["alpha"]) == 3
-    # every block start scored (dflash) gives a walk; 4 random starts per conversation (pard) not
-    assert (summary.after["walk_tau"] is None) == ("train.block_starts=4" in kind)
+    assert summary.after["walk_tau"] is not None  # a head scores every start: a walk
     head_config = json.loads((summary.draft_dir / "config.json").read_text())
     assert head_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert head_config["draft_vocab_size"] == 1024
