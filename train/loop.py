@@ -375,11 +375,11 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
         for mode in sums:
             values = [match_probability(s.pick(p_logits), q, greedy=mode == "greedy")
                       for s, q in zip(slots, split(q_full, slots))]
-            grid, valid = acceptance_grid(values, slots, pred, k)
-            chain, n = chain_sums(grid.cpu(), valid.cpu())
+            grid, valid = (t.cpu() for t in acceptance_grid(values, slots, pred, k))
+            chain, n = chain_sums(grid, valid)
             sums[mode] += chain
             if mode == "greedy" and walk_steps is not None:
-                walk = greedy_walk(grid.cpu(), valid.cpu(), pred.cpu())
+                walk = greedy_walk(grid, valid, pred.cpu())
                 if walk is None:  # a start the walk reaches is unscored (block_starts > 0)
                     walk_steps = None
                 else:
