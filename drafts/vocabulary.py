@@ -44,6 +44,29 @@ def frequent_labels(examples, vocab_size: int, size: int) -> tuple[torch.Tensor,
     return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
+def label_share(examples, ids: torch.Tensor, vocab_size: int) -> tuple[float, int]:
+    """The share of the examples' labels that are among target ids [Vd] (a target token outside
+    a draft vocabulary is never drafted, so this bounds alpha_1), and how many of the ids are
+    labels there at all."""
+    counts = label_counts(examples, vocab_size)
+    ids = ids.long().cpu()
+    return float(counts[ids].sum()) / max(1, int(counts.sum())), int((counts[ids] > 0).sum())
+
+
+def vocabulary_line(train, held_out, ids: torch.Tensor, vocab_size: int) -> str:
+    """What a draft vocabulary holds of the training and held-out labels, for the train log."""
+    share, seen = label_share(train, ids, vocab_size)
+    line = (f"the draft vocabulary ({len(ids)} tokens) holds {100 * share:.2f} % of the training "
+            f"labels")
+    if seen < len(ids):
+        line += (f"; {len(ids) - seen} of its tokens are never a training label (ties, "
+                 "filled by the lowest token id)")
+    if held_out:
+        line += (f"; {100 * label_share(held_out, ids, vocab_size)[0]:.2f} % of the held-out "
+                 "labels (a token outside it is never drafted)")
+    return line
+
+
 def scatter(draft_values: torch.Tensor, ids: torch.Tensor, vocab_size: int,
             fill: float) -> torch.Tensor:
     """Values over a draft vocabulary [..., Vd] at target ids [Vd] -> [..., V], `fill` on the

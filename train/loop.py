@@ -42,7 +42,7 @@ from decoding.acceptance import (
     summarize,
 )
 from drafts import TargetHidden, check_train_config
-from drafts.vocabulary import logits_on_rows
+from drafts.vocabulary import logits_on_rows, vocabulary_line
 from recipe import Config, ConfigError, TrainConfig
 from runfolder import identity_differences, run_folder
 from train.data import (
@@ -486,6 +486,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     _start_tracking(accelerator, dist, cfg, out)
     log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
     held_out = held_out_batches(data, cfg, pad_id)
+    rows = getattr(_unwrap(model), "target_rows", None)  # [Vd] target ids of a draft vocabulary
+    if rows is not None:
+        vocab = target.get_output_embeddings().weight.shape[0]
+        accelerator.print(f"[train] {vocabulary_line(data.train, data.held_out, rows, vocab)}")
     signal = TargetSignal.for_run(cfg, target, _unwrap(model), accelerator.autocast)
     if signal.aux_layers is not None and tcfg.target_features == "offline":
         signal.features = feature_cache(cfg, target, resolved.fingerprint,

@@ -73,6 +73,22 @@ def test_most_frequent_ids_breaks_ties_by_the_lower_id_and_checks_the_size():
         most_frequent_ids(counts, 6)
 
 
+def test_the_vocabulary_line_counts_training_and_held_out_labels_by_hand():
+    from drafts.vocabulary import label_share, vocabulary_line
+
+    # labels (loss_mask 1): train 3, 3, 5, 1; held out 3, 7, 7, 2
+    train = [Example("a", [9, 3, 3, 5], [0, 1, 1, 1]), Example("b", [1, 9], [1, 0])]
+    held_out = [Example("c", [3, 7, 7, 2, 5], [1, 1, 1, 1, 0])]
+    ids = torch.tensor([1, 3, 4])  # 4 is never a training label
+    assert label_share(train, ids, 10) == (0.75, 2)
+    assert label_share(held_out, ids, 10) == (0.25, 1)
+    line = vocabulary_line(train, held_out, ids, 10)
+    assert "(3 tokens) holds 75.00 % of the training labels" in line
+    assert "1 of its tokens are never a training label" in line
+    assert "25.00 % of the held-out labels" in line
+    assert "never a training label" not in vocabulary_line(train, [], torch.tensor([1, 3]), 10)
+
+
 @pytest.mark.parametrize("corrupt", ["shift", "swap"])
 def test_a_d2t_that_does_not_match_t2d_is_refused(corrupt):
     d2t, t2d = vocab_maps(torch.tensor([1, 4, 7, 9]), 12)

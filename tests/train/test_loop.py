@@ -50,7 +50,7 @@ def test_a_fresh_tiny_draft_learns_the_target(tiny_run):
     assert draft_config["num_hidden_layers"] == 1
 
 
-def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tiny_run):
+def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tiny_run, capsys):
     from assets.target import load_target, load_tokenizer, resolve_target
     from drafts import engine_draft, load_draft
     from drafts.vocabulary import frequent_labels
@@ -58,6 +58,8 @@ def test_a_draft_vocabulary_trains_and_serves_the_most_frequent_labels_alone(tin
 
     cfg = tiny_run("train.draft_vocab_size=512", "train.loss=fkl")
     summary = _train(cfg)
+    printed = capsys.readouterr().out
+    assert "the draft vocabulary (512 tokens) holds" in printed and "held-out labels" in printed
     losses = _losses(cfg.run.output_path)  # against the target renormalised on the 512
     assert losses[6] < 0.8 * losses[1]
     # the tiny random target spreads ~99 % of its mass over the other 48,640 tokens, which the
