@@ -41,15 +41,18 @@ def frequent_labels(examples, vocab_size: int, size: int) -> tuple[torch.Tensor,
                           f"vocabulary ({vocab_size} tokens): set it to at most {vocab_size}.")
     counts = label_counts(examples, vocab_size)
     ids = most_frequent_ids(counts, size)
-    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids, _shares(counts, ids)[0]
 
 
 def label_share(examples, ids: torch.Tensor, vocab_size: int) -> tuple[float, int]:
     """The share of the examples' labels that are among target ids [Vd] (a target token outside
     a draft vocabulary is never drafted, so this bounds alpha_1), and how many of the ids are
     labels there at all."""
-    counts = label_counts(examples, vocab_size)
-    ids = ids.long().cpu()
+    return _shares(label_counts(examples, vocab_size), ids.long().cpu())
+
+
+def _shares(counts: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
+    """Label counts [V], target ids [Vd] -> (their share of all labels, how many have a label)."""
     return float(counts[ids].sum()) / max(1, int(counts.sum())), int((counts[ids] > 0).sum())
 
 
