@@ -517,6 +517,11 @@ class TrainConfig:
     layers and last hidden state, feature_dtype) once to <run>/features and reads them back."""
     feature_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     """Dtype of the offline feature dump (2 bytes per value either way)."""
+    eagle_intermediate_size: int | None = None
+    """EAGLE-3: the width of the head's MLP (vLLM reads it from the head's config.json); None:
+    the target's intermediate_size. With head_init 'target' the target's MLP fills the first
+    rows and the extra units start with a zero output, so the head still starts as the
+    target's layer."""
     feature_noise: float = 0.0
     """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
     features in training (EAGLE's augmentation: serving feeds the head features the target

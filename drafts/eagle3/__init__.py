@@ -38,7 +38,7 @@ class Eagle3:
 
     name, description = "eagle3", "an EAGLE-3 head"
     train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
-                  "feature_noise", "head_init")
+                  "feature_noise", "head_init", "eagle_intermediate_size")
     formats = ("vllm", "speculators")
     hf_assistant, quantised_weights = False, True
     compiled_steps = True
@@ -68,6 +68,9 @@ class Eagle3:
                               "train.lora_rank=0 and train.target_logits=online.")
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < 1:
             raise ConfigError("train.draft_vocab_size must be >= 1 (or null).")
+        if cfg.eagle_intermediate_size is not None and cfg.eagle_intermediate_size < 1:
+            raise ConfigError(f"train.eagle_intermediate_size={cfg.eagle_intermediate_size} "
+                              "must be >= 1 (or null for the target's MLP width).")
 
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
         layers, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
@@ -80,7 +83,8 @@ class Eagle3:
     def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
         h = target_config["hidden_size"]
         head = (cfg.draft_vocab_size or target_config["vocab_size"]) * h
-        body = layer_parameters(target_config, input_width=2 * h) + 3 * h * h  # layer, fc
+        body = layer_parameters(target_config, input_width=2 * h,  # the layer, and fc
+                                intermediate=cfg.eagle_intermediate_size) + 3 * h * h
         return (body, head) if cfg.freeze_embeddings else (body + head, 0)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> Eagle3Head:
@@ -91,10 +95,12 @@ class Eagle3:
         vocab_size = target.get_output_embeddings().weight.shape[0]
         size = cfg.draft_vocab_size or min(32000, vocab_size)
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
-        log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}; draft vocabulary "
-            f"{size} of {vocab_size} tokens covers {100 * covered:.2f} % of the training labels")
-        head = Eagle3Head.from_target(target, aux_layers, draft_ids,
-                                     cfg.head_init or "random").float()
+        width = cfg.eagle_intermediate_size or target.config.intermediate_size
+        log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}, an MLP of {width} "
+            f"units; draft vocabulary {size} of {vocab_size} tokens covers {100 * covered:.2f} % "
+            "of the training labels")
+        head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init or "random",
+                                     cfg.eagle_intermediate_size).float()
         return head.requires_grad_(True).train()
 
     def freeze(self, draft: Eagle3Head, cfg: TrainConfig) -> None:

@@ -88,8 +88,10 @@ def draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 # --- the head ----------------------------------------------------------------------------
 
-def head_config(target_config, draft_vocab_size: int, aux_layers: list[int]):
-    """The head's LlamaConfig: the target's attention and MLP shapes, one layer, Vd outputs."""
+def head_config(target_config, draft_vocab_size: int, aux_layers: list[int],
+                intermediate_size: int | None = None):
+    """The head's LlamaConfig: the target's attention shape, its MLP's or intermediate_size,
+    one layer, Vd outputs."""
     from transformers import LlamaConfig
 
     t = target_config
@@ -98,7 +100,8 @@ def head_config(target_config, draft_vocab_size: int, aux_layers: list[int]):
     rope = getattr(t, "rope_parameters", None) or {
         "rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
     return LlamaConfig(
-        hidden_size=hidden, intermediate_size=t.intermediate_size, num_hidden_layers=1,
+        hidden_size=hidden, intermediate_size=intermediate_size or t.intermediate_size,
+        num_hidden_layers=1,
         num_attention_heads=heads,
         num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
         head_dim=getattr(t, "head_dim", None) or hidden // heads,
@@ -167,7 +170,15 @@ def _copy_target_layer(head: Eagle3Head, target, layer_index: int) -> None:
     head.fc.weight[:, 2 * hidden:].copy_(torch.eye(hidden))  # the highest aux feature
     layer.hidden_norm.weight.copy_(source.input_layernorm.weight.float())
     layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight.float())
-    layer.mlp.load_state_dict({k: v.float() for k, v in source.mlp.state_dict().items()})
+    width = source.mlp.down_proj.weight.shape[1]  # the target's intermediate size
+    if layer.mlp.down_proj.weight.shape[1] < width:
+        raise ConfigError(f"EAGLE-3 head init 'target' copies the target's MLP of {width} units "
+                          f"into one of {layer.mlp.down_proj.weight.shape[1]}: set "
+                          f"train.eagle_intermediate_size >= {width}, or null.")
+    for name in ("gate_proj", "up_proj"):  # [I, H]: the target's units first
+        getattr(layer.mlp, name).weight[:width].copy_(getattr(source.mlp, name).weight.float())
+    layer.mlp.down_proj.weight.zero_()  # [H, I]: units past the target's add nothing at first
+    layer.mlp.down_proj.weight[:, :width].copy_(source.mlp.down_proj.weight.float())
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(layer.self_attn, name).weight[:, hidden:].copy_(
             getattr(source.self_attn, name).weight.float())
@@ -196,14 +207,15 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor,
-                    init: str = "random") -> Eagle3Head:
+                    init: str = "random", intermediate_size: int | None = None) -> Eagle3Head:
         """A fresh head for this target: lm_head = the target's head rows of the draft
         vocabulary (so the head starts in the target's output space). init 'random': the layer
         in Llama init, the final norm at ones; 'target': the final norm the target's, fc
         passing the highest aux feature through, and the layer the target's decoder layer that
         reads that feature (its norms, MLP, o_proj, and q/k/v on the feature half; the
-        embedding half of q/k/v stays small and random)."""
-        config = head_config(target.config, len(draft_ids), aux_layers)
+        embedding half of q/k/v stays small and random; an MLP wider than the target's
+        (intermediate_size) holds the target's units first, the others with a zero output)."""
+        config = head_config(target.config, len(draft_ids), aux_layers, intermediate_size)
         if target.get_output_embeddings().weight.shape[0] != config.vocab_size:
             config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),

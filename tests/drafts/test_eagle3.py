@@ -427,13 +427,24 @@ def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, no
 
 
 @torch.no_grad()
-def test_the_target_init_computes_the_targets_layer_on_its_feature(target):
+@pytest.mark.parametrize("width", [None, 300])
+def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width, tmp_path):
     """head_init 'target' with the embedding half of q/k/v zeroed: step 0 of the head over a
-    sequence is the target's decoder layer 2 on its input (the highest aux feature), exactly."""
+    sequence is the target's decoder layer 2 on its input (the highest aux feature), exactly;
+    also with an MLP wider than the target's, whose width the saved head keeps."""
     from drafts.kind import aux_features
 
     torch.manual_seed(0)
-    head = Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target")
+    head = Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target",
+                                  intermediate_size=width)
+    units = width or target.config.intermediate_size
+    assert head.midlayer.mlp.down_proj.weight.shape == (64, units)
+    if width:  # the extra units are live: they read the input, and only their output is zero
+        assert head.midlayer.mlp.gate_proj.weight[target.config.intermediate_size:].abs().sum() > 0
+        head.save_pretrained(tmp_path / "head")
+        loaded = Eagle3Head.from_pretrained(tmp_path / "head")
+        assert loaded.config.intermediate_size == width
+        assert_same_state(loaded.state_dict(), head.state_dict())
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(head.midlayer.self_attn, name).weight[:, :64] = 0
     ids = torch.randint(3, VOCAB, (2, 9))
@@ -444,6 +455,9 @@ def test_the_target_init_computes_the_targets_layer_on_its_feature(target):
     assert torch.equal(head.norm.weight, target.model.norm.weight)
     with pytest.raises(ConfigError, match="'random' or 'target'"):
         Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="layer")
+    with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):
+        Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target",
+                               intermediate_size=target.config.intermediate_size - 1)
 
 
 def test_feature_noise_is_bounded_seeded_per_micro_batch():
