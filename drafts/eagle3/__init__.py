@@ -13,6 +13,7 @@ from drafts.eagle3.head import (
     Eagle3Head,
     check_aux_layers,
     check_fits_target,
+    check_mlp_width,
     check_vocab_maps,
     default_aux_layers,
     draft_index,
@@ -75,6 +76,8 @@ class Eagle3:
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
         layers, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
         check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
+        if cfg.eagle_intermediate_size and cfg.head_init == "target":
+            check_mlp_width(cfg.eagle_intermediate_size, target_config["intermediate_size"])
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
             raise ConfigError(f"train.draft_vocab_size={cfg.draft_vocab_size} exceeds the "
                               f"target's vocabulary of {vocab} tokens: lower it (32000 is "
@@ -95,12 +98,11 @@ class Eagle3:
         vocab_size = target.get_output_embeddings().weight.shape[0]
         size = cfg.draft_vocab_size or min(32000, vocab_size)
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
-        width = cfg.eagle_intermediate_size or target.config.intermediate_size
-        log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}, an MLP of {width} "
-            f"units; draft vocabulary {size} of {vocab_size} tokens covers {100 * covered:.2f} % "
-            "of the training labels")
         head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init or "random",
                                      cfg.eagle_intermediate_size).float()
+        log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}, an MLP of "
+            f"{head.config.intermediate_size} units; draft vocabulary {size} of {vocab_size} "
+            f"tokens covers {100 * covered:.2f} % of the training labels")
         return head.requires_grad_(True).train()
 
     def freeze(self, draft: Eagle3Head, cfg: TrainConfig) -> None:

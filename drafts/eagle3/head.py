@@ -90,8 +90,8 @@ def draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def head_config(target_config, draft_vocab_size: int, aux_layers: list[int],
                 intermediate_size: int | None = None):
-    """The head's LlamaConfig: the target's attention shape, its MLP's or intermediate_size,
-    one layer, Vd outputs."""
+    """The head's LlamaConfig: the target's attention shape, an MLP of intermediate_size units
+    (None: the target's), one layer, Vd outputs."""
     from transformers import LlamaConfig
 
     t = target_config
@@ -156,6 +156,15 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def check_mlp_width(width: int, target_width: int) -> None:
+    """The 'target' init copies the target's MLP into the head's: it needs at least as many
+    units."""
+    if width < target_width:
+        raise ConfigError(f"EAGLE-3 head init 'target' copies the target's MLP of {target_width} "
+                          f"units into one of {width}: set train.eagle_intermediate_size >= "
+                          f"{target_width}, or null.")
+
+
 @torch.no_grad()
 def _copy_target_layer(head: Eagle3Head, target, layer_index: int) -> None:
     """The 'target' init of Eagle3Head.from_target (see there)."""
@@ -171,10 +180,7 @@ def _copy_target_layer(head: Eagle3Head, target, layer_index: int) -> None:
     layer.hidden_norm.weight.copy_(source.input_layernorm.weight.float())
     layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight.float())
     width = source.mlp.down_proj.weight.shape[1]  # the target's intermediate size
-    if layer.mlp.down_proj.weight.shape[1] < width:
-        raise ConfigError(f"EAGLE-3 head init 'target' copies the target's MLP of {width} units "
-                          f"into one of {layer.mlp.down_proj.weight.shape[1]}: set "
-                          f"train.eagle_intermediate_size >= {width}, or null.")
+    check_mlp_width(layer.mlp.down_proj.weight.shape[1], width)
     for name in ("gate_proj", "up_proj"):  # [I, H]: the target's units first
         getattr(layer.mlp, name).weight[:width].copy_(getattr(source.mlp, name).weight.float())
     layer.mlp.down_proj.weight.zero_()  # [H, I]: units past the target's add nothing at first

@@ -432,7 +432,9 @@ def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width
     """head_init 'target' with the embedding half of q/k/v zeroed: step 0 of the head over a
     sequence is the target's decoder layer 2 on its input (the highest aux feature), exactly;
     also with an MLP wider than the target's, whose width the saved head keeps."""
+    from drafts.eagle3 import Eagle3
     from drafts.kind import aux_features
+    from recipe import TrainConfig
 
     torch.manual_seed(0)
     head = Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target",
@@ -458,6 +460,10 @@ def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width
     with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):
         Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target",
                                intermediate_size=target.config.intermediate_size - 1)
+    narrow = TrainConfig(draft="eagle3", head_init="target", ttt_steps=4, eagle_aux_layers=AUX,
+                         eagle_intermediate_size=target.config.intermediate_size - 1)
+    with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):  # before any stage
+        Eagle3().check_target(narrow, 4, target.config.to_dict())
 
 
 def test_feature_noise_is_bounded_seeded_per_micro_batch():
