@@ -26,6 +26,10 @@ class SlotKV:
         self.length = 0
 
     @property
+    def layers(self) -> int:
+        return len(self._keys)
+
+    @property
     def capacity(self) -> int:
         return self._mask.shape[1]
 
@@ -61,6 +65,13 @@ class SlotKV:
             self._values[layer][:, :, start:end] = v
         self._mask[:, start:end] = valid
         self.length = end
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """(k, v) [B, kv_heads, t, head_dim] of one layer into the last t slots (appended for
+        another layer first: a layer's input is the output of the layer below)."""
+        start = self.length - k.shape[2]
+        self._keys[layer][:, :, start:self.length] = k
+        self._values[layer][:, :, start:self.length] = v
 
     def crop(self, n: int) -> None:
         """Drop the last n slots."""

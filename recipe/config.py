@@ -522,6 +522,11 @@ class TrainConfig:
     the target's intermediate_size. With head_init 'target' the target's MLP fills the first
     rows and the extra units start with a zero output, so the head still starts as the
     target's layer."""
+    eagle_layers: int = 1
+    """EAGLE-3: decoder layers in the head (vLLM builds num_hidden_layers of them: the first
+    reads the token embedding and the fed-in feature [2H], the others the layer below [H]; the
+    last one's output is fed back). With head_init 'target' layer i starts as the target's
+    decoder layer aux + i, so the target needs that many layers from its highest aux layer on."""
     feature_noise: float = 0.0
     """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
     features in training (EAGLE's augmentation: serving feeds the head features the target

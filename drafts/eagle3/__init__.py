@@ -14,6 +14,7 @@ from drafts.eagle3.head import (
     check_aux_layers,
     check_fits_target,
     check_mlp_width,
+    check_target_init_layers,
     check_vocab_maps,
     default_aux_layers,
     draft_index,
@@ -35,11 +36,12 @@ __all__ = ["IGNORE", "Eagle3", "Eagle3Draft", "Eagle3ForTraining", "Eagle3Head",
 
 
 class Eagle3:
-    """One decoder layer on the target's aux features, over a reduced draft vocabulary."""
+    """A decoder layer (or a few) on the target's aux features, over a reduced draft
+    vocabulary."""
 
     name, description = "eagle3", "an EAGLE-3 head"
     train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
-                  "feature_noise", "head_init", "eagle_intermediate_size")
+                  "feature_noise", "head_init", "eagle_intermediate_size", "eagle_layers")
     formats = ("vllm", "speculators")
     hf_assistant, quantised_weights = False, True
     compiled_steps = True
@@ -52,8 +54,8 @@ class Eagle3:
 
     def check_train(self, cfg: TrainConfig) -> None:
         if cfg.draft != "eagle3":
-            raise ConfigError(f"train.draft={cfg.draft!r}: the EAGLE-3 head is 'eagle3' (one "
-                              "decoder layer, as vLLM serves it).")
+            raise ConfigError(f"train.draft={cfg.draft!r}: the EAGLE-3 head is 'eagle3' (its "
+                              "decoder layers: train.eagle_layers).")
         check_head_decay(cfg)
         check_feature_noise(cfg)
         if cfg.ttt_steps < 1:
@@ -72,10 +74,15 @@ class Eagle3:
         if cfg.eagle_intermediate_size is not None and cfg.eagle_intermediate_size < 1:
             raise ConfigError(f"train.eagle_intermediate_size={cfg.eagle_intermediate_size} "
                               "must be >= 1 (or null for the target's MLP width).")
+        if cfg.eagle_layers < 1:
+            raise ConfigError(f"train.eagle_layers={cfg.eagle_layers} must be >= 1 (1 is "
+                              "EAGLE-3's head).")
 
     def check_target(self, cfg: TrainConfig, k: int, target_config: dict) -> None:
         layers, vocab = target_config["num_hidden_layers"], target_config["vocab_size"]
-        check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
+        aux = check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
+        if cfg.head_init == "target":
+            check_target_init_layers(aux[-1], cfg.eagle_layers, layers)
         if cfg.eagle_intermediate_size and cfg.head_init == "target":
             check_mlp_width(cfg.eagle_intermediate_size, target_config["intermediate_size"])
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
@@ -86,8 +93,10 @@ class Eagle3:
     def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
         h = target_config["hidden_size"]
         head = (cfg.draft_vocab_size or target_config["vocab_size"]) * h
-        body = layer_parameters(target_config, input_width=2 * h,  # the layer, and fc
-                                intermediate=cfg.eagle_intermediate_size) + 3 * h * h
+        body = (layer_parameters(target_config, input_width=2 * h,  # the first layer, and fc
+                                 intermediate=cfg.eagle_intermediate_size) + 3 * h * h
+                + (cfg.eagle_layers - 1) * layer_parameters(
+                    target_config, intermediate=cfg.eagle_intermediate_size))
         return (body, head) if cfg.freeze_embeddings else (body + head, 0)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> Eagle3Head:
@@ -99,9 +108,10 @@ class Eagle3:
         size = cfg.draft_vocab_size or min(32000, vocab_size)
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
         head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init or "random",
-                                     cfg.eagle_intermediate_size).float()
-        log(f"[train] EAGLE-3 head on aux layers {aux_layers} of {layers}, an MLP of "
-            f"{head.config.intermediate_size} units; draft vocabulary {size} of {vocab_size} "
+                                     cfg.eagle_intermediate_size, cfg.eagle_layers).float()
+        log(f"[train] EAGLE-3 head of {head.num_layers} decoder layer"
+            f"{'s' if head.num_layers > 1 else ''} on aux layers {aux_layers} of {layers}, an MLP "
+            f"of {head.config.intermediate_size} units; draft vocabulary {size} of {vocab_size} "
             f"tokens covers {100 * covered:.2f} % of the training labels")
         return head.requires_grad_(True).train()
 

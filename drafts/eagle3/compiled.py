@@ -6,7 +6,8 @@ cache writes, masks) around five matrix products; on a CPU that dispatch and the
 between the calls take about half of an int8 head's step at k=4 (docs/scaling-and-hardware.md).
 Compiled with inductor's C++ wrapper, the calls between the products fuse into a few kernels
 run from C++. To compile once and run every step, the functions see the head's cache as its
-whole buffers (HeadCache's SlotKV: keys, values [B, kv, capacity, d], slot mask [B, capacity])
+whole buffers (HeadCache's SlotKV: keys, values [B, kv, capacity, d] per layer, slot mask
+[B, capacity])
 and the slots in use as a tensor, so their shapes do not change from one token to the next;
 the capacity, which doubles as a generation grows, is a dynamic dimension. Drafted tokens write
 their slots in place; slots at or past the end of the cache are masked out, whatever stale
@@ -62,7 +63,7 @@ class CompiledHead:
     def _chain(self, hidden, draft_ids, keys, values, mask, length, cos, sin):
         """The chain of k as one function, k - 1 the rotary's positions (cos, sin [B, 1, k - 1,
         d]: a static shape, so each k compiles its own unrolled code): k - 1 tokens through
-        the layer, then the last token's logits -> tokens [B, k], logits [B, k, Vd]."""
+        the layers, then the last token's logits -> tokens [B, k], logits [B, k, Vd]."""
         tokens, logits = [], []
         for i in range(cos.shape[2]):
             token, scores, hidden = self._token(hidden, draft_ids, keys, values, mask,
@@ -90,20 +91,29 @@ class CompiledHead:
 
     @staticmethod
     def _buffers(slots):
-        """The cache's whole buffers, their capacity a dynamic dimension."""
-        keys, values, mask = slots.buffers()
-        mark_capacity_dynamic([keys], [values], mask)
+        """The cache's whole buffers (keys, values: a list over the head's layers), their
+        capacity a dynamic dimension."""
+        keys, values = ([slots.buffers(i)[j] for i in range(slots.layers)] for j in (0, 1))
+        mask = slots.buffers()[2]
+        mark_capacity_dynamic(keys, values, mask)
         return keys, values, mask
 
     @staticmethod
     def _slot(index: int, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(index, dtype=torch.long, device=like.device)
 
-    def _write(self, keys, values, mask, slots, k, v, valid) -> None:
-        """Slots [t] of the buffers <- k, v [B, kv, t, d], valid [B, t], in place."""
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v)
+    def _layers(self, embeds, hidden, keys, values, mask, slots, valid, allowed, cos, sin):
+        """New slots [t] through every layer: embeds, hidden [B, t, H], valid [B, t], allowed
+        [B, t, C]; layer i's k, v enter its buffers at the slots, in place, before its queries
+        read them -> the last layer's pre-norm outputs [B, t, H]."""
         mask.index_copy_(1, slots, valid)
+        for i in range(self.layer.num_layers):
+            q, k, v = self.layer.project_rotated(embeds, hidden, cos, sin, i)
+            keys[i].index_copy_(2, slots, k)
+            values[i].index_copy_(2, slots, v)
+            hidden = self.layer.finish(attend(q, keys[i], values[i], allowed, self.layer.groups),
+                                       hidden, i)
+        return hidden
 
     def _last(self, hidden, draft_ids):
         """hidden [B, H] -> the greedy token [B] (target ids) and its logits [B, Vd]."""
@@ -117,13 +127,12 @@ class CompiledHead:
         [B, Vd], the layer's pre-norm output for it [B, H]."""
         token, logits = self._last(hidden, draft_ids)
         embeds = self.embedding(token[:, None]).to(self.dtype)  # [B, 1, H]
-        q, k, v = self.layer.project_rotated(embeds, hidden[:, None], cos, sin)
         slot = length[None]
-        self._write(keys, values, mask, slot, k, v, mask.new_ones(len(token), 1))
         live = torch.arange(mask.shape[1], device=mask.device) <= length  # [C]
-        allowed = (mask & live)[:, None]  # [B, 1, C]
-        attended = attend(q, keys, values, allowed, self.layer.groups)
-        out = self.layer.finish(attended, hidden[:, None])
+        valid = mask.new_ones(len(token), 1)
+        allowed = (mask.index_copy(1, slot, valid) & live)[:, None]  # [B, 1, C]
+        out = self._layers(embeds, hidden[:, None], keys, values, mask, slot, valid, allowed,
+                           cos, sin)
         return token, logits, out[:, 0]
 
     def _settle(self, tokens, features, valid, keys, values, mask, length, cos, sin):
@@ -133,11 +142,10 @@ class CompiledHead:
         pre-norm outputs [B, t, H]."""
         hidden = self.layer.features(features.to(self.dtype))
         embeds = self.embedding(tokens).to(self.dtype)
-        q, k, v = self.layer.project_rotated(embeds, hidden, cos, sin)
         t = tokens.shape[1]
         slots = length + torch.arange(t, device=tokens.device)  # [t]
-        self._write(keys, values, mask, slots, k, v, valid)
         every = torch.arange(mask.shape[1], device=mask.device)  # [C]
         before = every[None, :] <= slots[:, None]  # [t, C]: a slot's past and itself
-        allowed = (before[None] & mask[:, None, :]) | (every[None, :] == slots[:, None])[None]
-        return self.layer.finish(attend(q, keys, values, allowed, self.layer.groups), hidden)
+        seen = mask.index_copy(1, slots, valid)  # the mask once these slots are written
+        allowed = (before[None] & seen[:, None, :]) | (every[None, :] == slots[:, None])[None]
+        return self._layers(embeds, hidden, keys, values, mask, slots, valid, allowed, cos, sin)

@@ -22,7 +22,7 @@ from drafts.vocabulary import scatter
 
 
 class FusedLayer:
-    """The head's layer for inference, in fewer and larger operations than Eagle3Head's
+    """The head's layers for inference, in fewer and larger operations than Eagle3Head's
     training form: q/k/v one product over the 2H input, gate and up one product, the norms
     torch's fused rms_norm, rotary cos/sin read from a table of positions. Same project /
     finish / logits as the head (the same arithmetic up to rounding: tests compare the two);
@@ -37,19 +37,27 @@ class FusedLayer:
     acceptance is measured, not assumed)."""
 
     def __init__(self, head: Eagle3Head, weights: str = "model"):
-        layer, attn, mlp = head.midlayer, head.midlayer.self_attn, head.midlayer.mlp
+        self.num_layers = head.num_layers
+        matrices = {"lm_head": head.lm_head.weight, "fc": head.fc.weight}  # fc [H, 3H]
+        norms = {"final": head.norm}
         with torch.no_grad():
-            matrices = {
-                "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                "o": attn.o_proj.weight,
-                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
-                "down": mlp.down_proj.weight, "lm_head": head.lm_head.weight,
-                "fc": head.fc.weight}  # [H, 3H]
+            for i in range(head.num_layers):  # each layer's matrices and norms, named <name><i>
+                layer = head.layer(i)
+                attn, mlp = layer.self_attn, layer.mlp
+                matrices.update({
+                    f"qkv{i}": torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                          attn.v_proj.weight]),
+                    f"o{i}": attn.o_proj.weight,
+                    f"gate_up{i}": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),  # [2I, H]
+                    f"down{i}": mlp.down_proj.weight})
+                norms.update({f"post{i}": layer.post_attention_layernorm,
+                              f"input{i}": layer.input_layernorm})  # layer 0: the embedding's
+                if i == 0:
+                    norms["hidden0"] = layer.hidden_norm
         self.linears = {name: partial(F.linear, weight=weight) if weights == "model" else
                         quantise_linear(weight, None, weights) for name, weight in matrices.items()}
-        self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in (
-            ("embeds", layer.input_layernorm), ("hidden", layer.hidden_norm),
-            ("post", layer.post_attention_layernorm), ("final", head.norm))}
+        self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in norms.items()}
+        attn = head.midlayer.self_attn
         self.split = (attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim,
                       attn.num_kv_heads * attn.head_dim)
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -62,32 +70,34 @@ class FusedLayer:
         return rms_norm(x, *self.norms[name])
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                limit: int | None = None):
+                limit: int | None = None, index: int = 0):
         """As Eagle3Head.project: -> q [B, n, t, d], k, v [B, kv, t, d], residual [B, t, H].
         limit: a bound on positions the caller knows (HeadCache: its slot count), so that the
         rotary table grows without reading positions back from the device."""
         cos, sin = self.cos_sin(hidden, positions, int(positions.max()) + 1 if limit is None
                                 else limit)
-        return *self.project_rotated(embeds, hidden, cos, sin), hidden
+        return *self.project_rotated(embeds, hidden, cos, sin, index), hidden
 
     def project_rotated(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor):
+                        sin: torch.Tensor, index: int = 0):
         """project with the rotary cos, sin [B, 1, t, d] given -> q, k, v."""
-        x = torch.cat([self.norm("embeds", embeds), self.norm("hidden", hidden)], dim=-1)
+        x = (torch.cat([self.norm("input0", embeds), self.norm("hidden0", hidden)], dim=-1)
+             if index == 0 else self.norm(f"input{index}", hidden))
         batch, t, _ = x.shape
-        q, k, v = self.linears["qkv"](x).split(self.split, dim=-1)
+        q, k, v = self.linears[f"qkv{index}"](x).split(self.split, dim=-1)
         q = q.view(batch, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(batch, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor,
+               index: int = 0) -> torch.Tensor:
         """As Eagle3Head.finish: [B, n, t, d], [B, t, H] -> pre-norm output [B, t, H]."""
         batch, _, t, _ = attended.shape
         linears = self.linears
-        residual = linears["o"](attended.transpose(1, 2).reshape(batch, t, -1)) + residual
-        gate, up = linears["gate_up"](self.norm("post", residual)).chunk(2, dim=-1)
-        return linears["down"](self.act(gate) * up) + residual
+        residual = linears[f"o{index}"](attended.transpose(1, 2).reshape(batch, t, -1)) + residual
+        gate, up = linears[f"gate_up{index}"](self.norm(f"post{index}", residual)).chunk(2, dim=-1)
+        return linears[f"down{index}"](self.act(gate) * up) + residual
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocabulary logits [..., Vd]."""
@@ -98,26 +108,19 @@ class FusedLayer:
         return self.linears["fc"](aux)
 
 
-Layer = Eagle3Head | FusedLayer  # what HeadCache runs: project, finish, groups
+Layer = Eagle3Head | FusedLayer  # what HeadCache runs: num_layers, project, finish, groups
 
 
 class HeadCache:
-    """The head's own KV cache (drafts.slots.SlotKV: preallocated, a slot mask [B, L] with holes
-    for rejected slots, as in decoding/kv.py) and each row's next position [B]."""
+    """The head's own KV cache, one per layer (drafts.slots.SlotKV: preallocated, a slot mask
+    [B, L] with holes for rejected slots, as in decoding/kv.py) and each row's next position
+    [B]."""
 
     def __init__(self, batch: int, head: Eagle3Head, device):
         attn = head.midlayer.self_attn
-        self.slots = SlotKV(batch, 1, attn.num_kv_heads, attn.head_dim, head.fc.weight.dtype,
-                            device)
+        self.slots = SlotKV(batch, head.num_layers, attn.num_kv_heads, attn.head_dim,
+                            head.fc.weight.dtype, device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.slots.keys()
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.slots.values()
 
     @property
     def mask(self) -> torch.Tensor:
@@ -129,10 +132,21 @@ class HeadCache:
         other.slots, other.next_position = self.slots.rows(index), self.next_position[index]
         return other
 
-    def _attend(self, layer: Layer, q, allowed) -> torch.Tensor:
-        """q [B, n, t, d] over the cache, allowed [B, t, L] -> [B, n, t, d] (grouped-query
-        heads read the kv heads in place)."""
-        return attend(q, self.keys, self.values, allowed, layer.groups)
+    def _layers(self, layer: Layer, embeds, hidden, positions, valid, allowed) -> torch.Tensor:
+        """New slots through every layer of the head: embeds, hidden [B, t, H] (hidden the
+        first layer's input), positions [B, t], valid [B, t] bool, allowed [B, t, L] (L counting
+        the new slots) -> the last layer's pre-norm outputs [B, t, H]. Layer i's keys and values
+        enter its own cache at the new slots before its queries read that cache."""
+        t, limit = valid.shape[1], self.slots.length + valid.shape[1]
+        for i in range(layer.num_layers):
+            q, k, v, residual = layer.project(embeds, hidden, positions, limit, index=i)
+            if i == 0:
+                self.slots.append([(k, v)], valid)
+            else:
+                self.slots.write(i, k, v)
+            hidden = layer.finish(attend(q, self.slots.keys(i), self.slots.values(i), allowed,
+                                         layer.groups), residual, index=i)
+        return hidden
 
     def run(self, layer: Layer, embeds, hidden, valid) -> torch.Tensor:
         """Append slots: embeds, hidden [B, t, H], valid [B, t] bool -> pre-norm outputs
@@ -140,31 +154,30 @@ class HeadCache:
         t = valid.shape[1]
         steps = valid.long()
         positions = self.next_position[:, None] + steps.cumsum(1) - steps  # [B, t]
-        q, k, v, residual = layer.project(embeds, hidden, positions, self.slots.length + t)
-        self.slots.append([(k, v)], valid)
-        length = self.slots.length
+        length = self.slots.length + t
+        mask = torch.cat([self.mask, valid], dim=1)  # [B, L]: the slots once appended
         if t == 1:  # a drafted token: every kept slot, and itself (a hole sees itself)
-            allowed = self.mask.clone()
+            allowed = mask.clone()
             allowed[:, -1] = True
             allowed = allowed[:, None]  # [B, 1, L]
         else:
             slot = torch.arange(length, device=valid.device)
             query_slot = torch.arange(length - t, length, device=valid.device)
-            allowed = (slot[None, :] <= query_slot[:, None])[None] & self.mask[:, None, :]
+            allowed = (slot[None, :] <= query_slot[:, None])[None] & mask[:, None, :]
             allowed = allowed | (slot[None, :] == query_slot[:, None])[None]  # [B, t, L]
-        attended = self._attend(layer, q, allowed)
+        out = self._layers(layer, embeds, hidden, positions, valid, allowed)
         self.next_position = self.next_position + steps.sum(1)
-        return layer.finish(attended, residual)
+        return out
 
     def step(self, layer: Layer, embeds, hidden) -> torch.Tensor:
         """One drafted token per row: embeds, hidden [B, 1, H] -> pre-norm output [B, 1, H]. Its
         slot is valid and sees every kept slot and itself: run's t = 1 case without building
         positions and masks."""
-        q, k, v, residual = layer.project(embeds, hidden, self.next_position[:, None],
-                                          self.slots.length + 1)
-        self.slots.append([(k, v)], self.slots.mask.new_ones(len(q), 1))
+        valid = self.mask.new_ones(len(hidden), 1)
+        allowed = torch.cat([self.mask, valid], dim=1)[:, None]  # [B, 1, L]
+        out = self._layers(layer, embeds, hidden, self.next_position[:, None], valid, allowed)
         self.next_position = self.next_position + 1
-        return layer.finish(self._attend(layer, q, self.mask[:, None]), residual)
+        return out
 
     def run_tree(self, layer: Layer, embeds, hidden, depth, sees) -> torch.Tensor:
         """Append m draft-tree slots: embeds, hidden [B, m, H], depth [B, m] (1: a child of the
@@ -173,12 +186,10 @@ class HeadCache:
         slot is seen. Positions are next_position + depth - 1, and next_position stays: the
         tree's slots are dropped with crop(S, valid=False) -> pre-norm outputs [B, m, H]."""
         m, tree_slots = depth.shape[1], sees.shape[2]
-        q, k, v, residual = layer.project(embeds, hidden, self.next_position[:, None] + depth - 1,
-                                          self.slots.length + m)
-        self.slots.append([(k, v)], torch.ones_like(depth, dtype=torch.bool))
-        committed = self.mask[:, None, :-tree_slots].expand(-1, m, -1)  # [B, m, L - S]
-        allowed = torch.cat([committed, sees], dim=2)  # [B, m, L]
-        return layer.finish(self._attend(layer, q, allowed), residual)
+        committed = self.mask[:, None, :self.slots.length + m - tree_slots].expand(-1, m, -1)
+        allowed = torch.cat([committed, sees], dim=2)  # [B, m, L]: L counting the m new slots
+        return self._layers(layer, embeds, hidden, self.next_position[:, None] + depth - 1,
+                            torch.ones_like(depth, dtype=torch.bool), allowed)
 
     def crop(self, n: int, valid: bool = True) -> None:
         """Drop the last n slots of every row (valid: they counted as positions)."""

@@ -1,15 +1,18 @@
-"""The EAGLE-3 head (Li et al. 2025): one decoder layer on the target's own features.
+"""The EAGLE-3 head (Li et al. 2025): one decoder layer (or a few) on the target's own features.
 
 The target's hidden states at three layers (low, middle, high) are concatenated and projected
 by `fc` [H, 3H] to one feature h_t. The head's decoder layer reads, at position t,
 cat(input_layernorm(embed(x_{t+1})), hidden_norm(h_t)) [2H] and its attention spans the head's
 own KV cache; the final norm and an lm_head over a reduced draft vocabulary (Vd of the target's
 V tokens) predict x_{t+2}. The layer's pre-norm output is fed back as h for the next draft token
-(and, in training, for the next step of the training-time test).
+(and, in training, for the next step of the training-time test). A head of n layers (vLLM's
+num_hidden_layers) stacks n - 1 plain decoder layers [H] on the first, each with its own
+attention and cache; the last one's pre-norm output is what the final norm reads and what is
+fed back.
 
-Weights are named as vLLM's `LlamaForCausalLMEagle3` loads them (`fc`, `midlayer.*`, `norm`,
-`lm_head`, `d2t`, `t2d`), so export only writes the config vLLM expects. The token embedding is
-the target's, frozen, and is not stored with the head.
+Weights are named as vLLM's `LlamaForCausalLMEagle3` loads them (`fc`, `midlayer.*`,
+`layers.<i>.*` for i >= 1, `norm`, `lm_head`, `d2t`, `t2d`), so export only writes the config
+vLLM expects. The token embedding is the target's, frozen, and is not stored with the head.
 
 Vocabulary maps: draft id i means target id i + d2t[i]; t2d[v] says whether target id v is in
 the draft vocabulary. Both are built from one sorted list of target ids and checked against each
@@ -89,9 +92,9 @@ def draft_index(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 # --- the head ----------------------------------------------------------------------------
 
 def head_config(target_config, draft_vocab_size: int, aux_layers: list[int],
-                intermediate_size: int | None = None):
+                intermediate_size: int | None = None, layers: int = 1):
     """The head's LlamaConfig: the target's attention shape, an MLP of intermediate_size units
-    (None: the target's), one layer, Vd outputs."""
+    (None: the target's), `layers` decoder layers, Vd outputs."""
     from transformers import LlamaConfig
 
     t = target_config
@@ -101,7 +104,7 @@ def head_config(target_config, draft_vocab_size: int, aux_layers: list[int],
         "rope_type": "default", "rope_theta": getattr(t, "rope_theta", 10000.0)}
     return LlamaConfig(
         hidden_size=hidden, intermediate_size=intermediate_size or t.intermediate_size,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(t, "num_key_value_heads", None) or heads,
         head_dim=getattr(t, "head_dim", None) or hidden // heads,
@@ -112,20 +115,23 @@ def head_config(target_config, draft_vocab_size: int, aux_layers: list[int],
 
 
 class Attention(nn.Module):
-    """q/k/v over the 2H input, o back to H (vLLM's names)."""
+    """q/k/v over the 2H input (the first layer) or the H input (the layers above it), o back
+    to H (vLLM's names)."""
 
-    def __init__(self, config):
+    def __init__(self, config, inputs: int = 2):
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, d)
-        self.q_proj = nn.Linear(2 * hidden, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * d, bias=False)
+        self.q_proj = nn.Linear(inputs * hidden, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(inputs * hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(inputs * hidden, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
 
 
 class MidLayer(nn.Module):
+    """The first layer: the token embedding and the fed-in hidden state, each normed, [2H]."""
+
     def __init__(self, config):
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -134,6 +140,20 @@ class MidLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps)  # on the token embedding
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps)  # on the fed-in hidden state
         self.self_attn = Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config)
+
+
+class UpperLayer(nn.Module):
+    """A layer above the first: a plain Llama decoder layer on the pre-norm output below [H]."""
+
+    def __init__(self, config):
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps)
+        self.self_attn = Attention(config, inputs=1)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config)
 
@@ -165,34 +185,53 @@ def check_mlp_width(width: int, target_width: int) -> None:
                           f"{target_width}, or null.")
 
 
+def check_target_init_layers(aux_layer: int, layers: int, target_layers: int) -> None:
+    """The 'target' init copies the target's decoder layers aux_layer .. aux_layer + layers - 1
+    into the head's: the target must have them."""
+    if aux_layer + layers > target_layers:
+        raise ConfigError(f"EAGLE-3 head init 'target' copies the target's decoder layers "
+                          f"{aux_layer}..{aux_layer + layers - 1} (from the highest aux layer, "
+                          f"{aux_layer}) into a head of {layers} layers, but the target has "
+                          f"{target_layers}: lower train.eagle_layers to "
+                          f"{max(target_layers - aux_layer, 1)} or the highest of "
+                          f"train.eagle_aux_layers to {max(target_layers - layers, 0)}.")
+
+
 @torch.no_grad()
-def _copy_target_layer(head: Eagle3Head, target, layer_index: int) -> None:
+def _copy_target_layers(head: Eagle3Head, target, layer_index: int) -> None:
     """The 'target' init of Eagle3Head.from_target (see there)."""
     hidden = head.config.hidden_size
     decoder = target.get_decoder()
-    if layer_index >= len(decoder.layers):
-        raise ConfigError(f"EAGLE-3 head init 'target' copies the decoder layer that reads aux "
-                          f"layer {layer_index}, but the target has {len(decoder.layers)} layers.")
-    source, layer = decoder.layers[layer_index], head.midlayer
+    check_target_init_layers(layer_index, head.num_layers, len(decoder.layers))
     head.norm.weight.copy_(decoder.norm.weight.float())
     head.fc.weight.zero_()
     head.fc.weight[:, 2 * hidden:].copy_(torch.eye(hidden))  # the highest aux feature
-    layer.hidden_norm.weight.copy_(source.input_layernorm.weight.float())
-    layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight.float())
-    width = source.mlp.down_proj.weight.shape[1]  # the target's intermediate size
-    check_mlp_width(layer.mlp.down_proj.weight.shape[1], width)
-    for name in ("gate_proj", "up_proj"):  # [I, H]: the target's units first
-        getattr(layer.mlp, name).weight[:width].copy_(getattr(source.mlp, name).weight.float())
-    layer.mlp.down_proj.weight.zero_()  # [H, I]: units past the target's add nothing at first
-    layer.mlp.down_proj.weight[:, :width].copy_(source.mlp.down_proj.weight.float())
-    for name in ("q_proj", "k_proj", "v_proj"):
-        getattr(layer.self_attn, name).weight[:, hidden:].copy_(
-            getattr(source.self_attn, name).weight.float())
-    layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight.float())
+    for i in range(head.num_layers):
+        source, layer = decoder.layers[layer_index + i], head.layer(i)
+        if i == 0:  # the embedding half of q/k/v stays small and random
+            layer.hidden_norm.weight.copy_(source.input_layernorm.weight.float())
+            inputs = slice(hidden, None)
+        else:
+            layer.input_layernorm.weight.copy_(source.input_layernorm.weight.float())
+            inputs = slice(None)
+        layer.post_attention_layernorm.weight.copy_(
+            source.post_attention_layernorm.weight.float())
+        width = source.mlp.down_proj.weight.shape[1]  # the target's intermediate size
+        check_mlp_width(layer.mlp.down_proj.weight.shape[1], width)
+        for name in ("gate_proj", "up_proj"):  # [I, H]: the target's units first
+            getattr(layer.mlp, name).weight[:width].copy_(
+                getattr(source.mlp, name).weight.float())
+        layer.mlp.down_proj.weight.zero_()  # [H, I]: units past the target's add nothing
+        layer.mlp.down_proj.weight[:, :width].copy_(source.mlp.down_proj.weight.float())
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, name).weight[:, inputs].copy_(
+                getattr(source.self_attn, name).weight.float())
+        layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight.float())
 
 
 class Eagle3Head(nn.Module):
-    """fc + one decoder layer + norm + lm_head over Vd draft tokens, with d2t/t2d buffers."""
+    """fc + decoder layers (midlayer, then layers["1"], ...) + norm + lm_head over Vd draft
+    tokens, with d2t/t2d buffers."""
 
     def __init__(self, config, aux_layers: list[int], draft_ids: torch.Tensor):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
@@ -204,6 +243,8 @@ class Eagle3Head(nn.Module):
         self.vocab_size, self.draft_vocab_size = config.vocab_size, len(draft_ids)
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.midlayer = MidLayer(config)
+        self.layers = nn.ModuleDict({str(i): UpperLayer(config)  # saved as layers.<i>.*
+                                     for i in range(1, config.num_hidden_layers)})
         self.norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, len(draft_ids), bias=False)
         d2t, t2d = vocab_maps(draft_ids, config.vocab_size)
@@ -213,15 +254,19 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor,
-                    init: str = "random", intermediate_size: int | None = None) -> Eagle3Head:
+                    init: str = "random", intermediate_size: int | None = None,
+                    layers: int = 1) -> Eagle3Head:
         """A fresh head for this target: lm_head = the target's head rows of the draft
         vocabulary (so the head starts in the target's output space). init 'random': the layer
         in Llama init, the final norm at ones; 'target': the final norm the target's, fc
         passing the highest aux feature through, and the layer the target's decoder layer that
         reads that feature (its norms, MLP, o_proj, and q/k/v on the feature half; the
         embedding half of q/k/v stays small and random; an MLP wider than the target's
-        (intermediate_size) holds the target's units first, the others with a zero output)."""
-        config = head_config(target.config, len(draft_ids), aux_layers, intermediate_size)
+        (intermediate_size) holds the target's units first, the others with a zero output),
+        and layer i >= 1 the target's decoder layer after it by i: at its start the head
+        computes the target's layers from the highest aux feature on."""
+        config = head_config(target.config, len(draft_ids), aux_layers, intermediate_size,
+                             layers)
         if target.get_output_embeddings().weight.shape[0] != config.vocab_size:
             config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
@@ -234,7 +279,7 @@ class Eagle3Head(nn.Module):
                     module.weight.normal_(0.0, std)
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
             if init == "target":
-                _copy_target_layer(head, target, aux_layers[-1])
+                _copy_target_layers(head, target, aux_layers[-1])
             elif init != "random":
                 raise ConfigError(f"EAGLE-3 head init {init!r}: use 'random' or 'target'.")
         return head.to(target.get_output_embeddings().weight.device)
@@ -244,16 +289,26 @@ class Eagle3Head(nn.Module):
         """[Vd] the target id of each draft id."""
         return target_ids(torch.arange(self.draft_vocab_size, device=self.d2t.device), self.d2t)
 
-    # the layer, in three parts: the projections, attention (outside: a cache in serving, the
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def layer(self, index: int) -> MidLayer | UpperLayer:
+        return self.midlayer if index == 0 else self.layers[str(index)]
+
+    # a layer, in three parts: the projections, attention (outside: a cache in serving, the
     # training-time test's masks in training), and the output
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                limit: int | None = None):
-        """embeds, hidden [B, t, H], positions [B, t] -> q [B, n, t, d], k, v [B, kv, t, d] (with
-        rotary), residual [B, t, H]. norm_before_residual = false: the residual is h itself.
-        limit (a bound on positions) is for the engine's FusedLayer; rotary here is computed
-        per call."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+                limit: int | None = None, index: int = 0):
+        """Layer `index`: embeds, hidden [B, t, H] (the layer's input: the fed-in feature for
+        layer 0, the pre-norm output of the layer below for the others, which ignore embeds),
+        positions [B, t] -> q [B, n, t, d], k, v [B, kv, t, d] (with rotary), residual
+        [B, t, H]. norm_before_residual = false: the residual is the input itself. limit (a
+        bound on positions) is for the engine's FusedLayer; rotary here is computed per call."""
+        layer = self.layer(index)
+        attn = layer.self_attn
+        x = (torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+             if index == 0 else layer.input_layernorm(hidden))
         batch, t, _ = x.shape
 
         def heads(proj, n):
@@ -265,10 +320,12 @@ class Eagle3Head(nn.Module):
         cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v, hidden
 
-    def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attention output [B, n, t, d] and residual [B, t, H] -> the pre-norm output [B, t, H]
-        (what is fed back as the next hidden state)."""
-        layer = self.midlayer
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor,
+               index: int = 0) -> torch.Tensor:
+        """Layer `index`: attention output [B, n, t, d] and residual [B, t, H] -> the pre-norm
+        output [B, t, H] (the next layer's input; the last layer's is fed back as the next
+        hidden state)."""
+        layer = self.layer(index)
         batch, _, t, _ = attended.shape
         residual = layer.self_attn.o_proj(attended.transpose(1, 2).reshape(batch, t, -1)) + residual
         return layer.mlp(layer.post_attention_layernorm(residual)) + residual
@@ -293,7 +350,7 @@ class Eagle3Head(nn.Module):
         for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path",
                     "architectures"):
             config.pop(key, None)
-        config.update({"model_type": "llama", "num_hidden_layers": 1,
+        config.update({"model_type": "llama", "num_hidden_layers": self.num_layers,
                        "tie_word_embeddings": False})
         return config
 

@@ -47,18 +47,23 @@ def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
     embeds [B, T, H] (the target's embedding of each token), aux [B, T, 3H] (the target's aux
     features), attention_mask [B, T] -> one pre-norm output [B, T, H] per step. Step j at index t
     reads the embedding of x_{t+1+j} and step j-1's output at t (step 0: fc(aux_t)), sits at
-    position t + j, and predicts x_{t+2+j}."""
+    position t + j, and predicts x_{t+2+j}. Each of the head's layers keeps its own keys and
+    values per step, attended with the same masks."""
     batch, length, _ = embeds.shape
     positions = torch.arange(length, device=embeds.device).expand(batch, length)
     causal = torch.ones(length, length, dtype=torch.bool, device=embeds.device).tril()
     mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, T, T]
     hidden = head.fc(aux)
-    keys, values, outputs = [], [], []
+    keys, values = [[] for _ in range(head.num_layers)], [[] for _ in range(head.num_layers)]
+    outputs = []
     for j in range(steps):
-        q, k, v, residual = head.project(shift_left(embeds, 1 + j), hidden, positions + j)
-        keys.append(k)
-        values.append(v)
-        hidden = head.finish(ttt_attention(q, keys, values, mask, head.groups), residual)
+        embeds_j = shift_left(embeds, 1 + j)
+        for i in range(head.num_layers):
+            q, k, v, residual = head.project(embeds_j, hidden, positions + j, index=i)
+            keys[i].append(k)
+            values[i].append(v)
+            hidden = head.finish(ttt_attention(q, keys[i], values[i], mask, head.groups),
+                                 residual, index=i)
         outputs.append(hidden)
     return outputs
 

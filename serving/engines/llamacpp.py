@@ -169,6 +169,13 @@ class LlamaCppEngine:
         type, k, both files), config.yaml, README.md."""
         if why := self.why_not(kind):
             raise ConfigError(f"--format gguf: {why} Export it with --format vllm.")
+        layers = json.loads((Path(draft_folder) / "config.json").read_text()).get(
+            "num_hidden_layers", 1)
+        if kind.name == "eagle3" and layers != 1:
+            raise ConfigError(f"--format gguf: the EAGLE-3 head in {draft_folder} has {layers} "
+                              f"decoder layers and llama.cpp {VERSION} builds EAGLE-3 heads of "
+                              "one (its eagle3 graph asserts n_layer == 1). Export it with "
+                              "--format vllm, or train it with train.eagle_layers=1.")
         resolved = resolve_target(cfg.model)
         kind.check_export(draft_folder, k, target_shape(resolved.path))
         out = Path(out or run_folder(cfg).export / f"{kind.name}-gguf")

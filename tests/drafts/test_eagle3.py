@@ -43,10 +43,11 @@ def target():
     return _tiny(0)
 
 
-def _head(target, draft_size=200, seed=1):
+def _head(target, draft_size=200, seed=1, layers=1):
     torch.manual_seed(seed)
     counts = torch.randint(0, 50, (VOCAB,))
-    head = Eagle3Head.from_target(target, AUX, most_frequent_ids(counts, draft_size))
+    head = Eagle3Head.from_target(target, AUX, most_frequent_ids(counts, draft_size),
+                                  layers=layers)
     with torch.no_grad():  # a random head, not the target's own rows: a draft that errs
         head.lm_head.weight.normal_(0, 0.3)
     return head.eval()
@@ -134,13 +135,14 @@ def test_feature_capture_reads_the_inputs_of_the_named_decoder_layers(target):
     assert torch.equal(out.embeds, target.model.embed_tokens(batch.input_ids))
 
 
+@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
 @pytest.mark.parametrize("fused", [False, True], ids=["head", "fused layer"])
-def test_training_time_test_matches_the_serving_cache(target, fused):
+def test_training_time_test_matches_the_serving_cache(target, fused, layers):
     """Step j of the unroll at index p is what the head computes in serving for draft token j+1
     after the verified prefix x_0..x_{p+1}, when the chain so far is the true continuation; the
     engine's FusedLayer (one q/k/v product, a rotary table, fused norms) computes the same, and
-    the same logits."""
-    head = _head(target)
+    the same logits; with a head of two layers too (each with its own cache)."""
+    head = _head(target, layers=layers)
     layer = FusedLayer(head) if fused else head
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, VOCAB, (1, 24), generator=g)
@@ -183,15 +185,16 @@ def test_quantised_weights_keep_the_output_the_targets(target, weights, linear):
 
 
 @pytest.mark.slow  # inductor compiles three graphs (~1 minute on 2 CPU cores)
-def test_compiled_steps_draft_what_the_eager_head_drafts(target):
+@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
+def test_compiled_steps_draft_what_the_eager_head_drafts(target, layers):
     """eval.draft_compile: greedy chains and the settling after verification run compiled
     (drafts/eagle3/compiled.py) and propose what the eager head proposes, chain by chain (the
     same tokens, logits within rounding), over left-padded rows of different lengths (holes in
     the head's cache), a row whose cache outgrows its first capacity (256 slots), and a second
     k; output stays the target's. Sampled decoding (eager chains, compiled settling) repeats
     the eager run's output under the same seed. A later engine run reuses the compiled code,
-    and leaves the head's state a fresh start's."""
-    head = _head(target)
+    and leaves the head's state a fresh start's. A head of two layers too."""
+    head = _head(target, layers=layers)
     prompts, ids, mask = _prompts([5, 250, 8])
     runs = {}
     for compile in (False, True):
@@ -280,37 +283,41 @@ def test_restrict_ignores_labels_outside_the_draft_vocabulary(target):
 def test_save_and_load_round_trip_and_a_corrupted_d2t_is_refused(target, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    head = _head(target)
+    head = _head(target, layers=2)
     head.save_pretrained(tmp_path / "head")
     loaded = Eagle3Head.from_pretrained(tmp_path / "head")
     assert_same_state(loaded.state_dict(), head.state_dict())
-    assert loaded.aux_layers == AUX
+    assert loaded.aux_layers == AUX and loaded.num_layers == 2
     state = load_file(str(tmp_path / "head" / "model.safetensors"))
     assert "embed_tokens.weight" not in state and state["lm_head.weight"].shape == (200, 64)
     assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    # the second layer as vLLM loads it (midlayer is its layers.0), reading the layer below [H]
+    assert state["layers.1.self_attn.q_proj.weight"].shape == (64, 64)
+    assert "layers.1.hidden_norm.weight" not in state
     state["d2t"] = state["d2t"].roll(1)
     save_file(state, str(tmp_path / "head" / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not map onto"):
         Eagle3Head.from_pretrained(tmp_path / "head")
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k):
+@pytest.mark.parametrize("k, layers", [(1, 1), (3, 1), (6, 1), (3, 2)])
+def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k, layers):
     _, ids, mask = _prompts([5, 11, 8])
     settings = DecodeSettings(max_new_tokens=24, temperature=0.0, k=k)
     plain = generate(target, ids, mask, settings, {EOS})
-    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    draft = Eagle3Draft(_head(target, layers=layers), target.get_input_embeddings())
     spec = generate(target, ids, mask, settings, {EOS}, draft)
     assert spec.tokens == plain.tokens
     assert sum(s.steps for s in spec.stats) < sum(len(t) for t in plain.tokens)  # it drafts
 
 
-def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target, monkeypatch):
+@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
+def test_the_head_cache_after_decoding_equals_a_fresh_prefill(target, monkeypatch, layers):
     """After the engine's accept steps (holes, crops), the head's state at the last verified token
     is what a fresh start on the whole history computes; each accept runs the verified chunk up
     to the longest row's next token, not the whole k + 1."""
     prompts, ids, mask = _prompts([6, 9])
-    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    draft = Eagle3Draft(_head(target, layers=layers), target.get_input_embeddings())
     fed, longest = [], []  # tokens the head's fc maps per call; max(n) + 1 per accept
     features = FusedLayer.features
     monkeypatch.setattr(FusedLayer, "features",
@@ -360,10 +367,10 @@ def test_sampling_with_a_head_keeps_the_target_distribution(target):
     assert float(torch.special.gammaincc(torch.tensor(9.5, dtype=torch.float64), chi2 / 2)) > 1e-3
 
 
-def _started_draft(target, prompt_lengths):
+def _started_draft(target, prompt_lengths, layers=1):
     """A head draft after start() on left-padded prompts, as the engine leaves it."""
     _, ids, mask = _prompts(prompt_lengths)
-    draft = Eagle3Draft(_head(target), target.get_input_embeddings())
+    draft = Eagle3Draft(_head(target, layers=layers), target.get_input_embeddings())
     with torch.no_grad():
         out = target(ids, attention_mask=mask, output_hidden_states=True)
         draft.start(ids, mask, out.logits[:, -1].argmax(-1), out.hidden_states)
@@ -371,19 +378,22 @@ def _started_draft(target, prompt_lengths):
 
 
 @torch.no_grad()
-def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target):
+@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
+def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target, layers):
     """Each candidate's cumulative log-probability equals the sum of the head's log-probs
     along its path drafted token by token (the tree attention, positions and hidden-state
     feeding of the expansion are the chain's); the head's cache is as before afterwards."""
     import copy
 
-    draft = _started_draft(target, [6, 10])
-    before = (draft.cache.keys.clone(), draft.cache.mask.clone(),
+    draft = _started_draft(target, [6, 10], layers)
+    slots = draft.cache.slots
+    before = ([slots.keys(i).clone() for i in range(layers)], draft.cache.mask.clone(),
               draft.cache.next_position.clone())
     chain_copy = copy.deepcopy(draft)
     tokens, parents, scores = draft.propose_tree(3, 3)
     assert tokens.shape == (2, 3 + 2 * 9)
-    assert torch.equal(draft.cache.keys, before[0]) and torch.equal(draft.cache.mask, before[1])
+    assert all(torch.equal(slots.keys(i), before[0][i]) for i in range(layers))
+    assert torch.equal(draft.cache.mask, before[1])
     assert torch.equal(draft.cache.next_position, before[2])
     head = chain_copy.head
     for row in range(2):
@@ -431,7 +441,8 @@ def test_greedy_dynamic_tree_speculation_equals_target_greedy_batched(target, no
 def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width, tmp_path):
     """head_init 'target' with the embedding half of q/k/v zeroed: step 0 of the head over a
     sequence is the target's decoder layer 2 on its input (the highest aux feature), exactly;
-    also with an MLP wider than the target's, whose width the saved head keeps."""
+    also with an MLP wider than the target's, whose width the saved head keeps; a head of two
+    layers is the target's layers 2 and 3."""
     from drafts.eagle3 import Eagle3
     from drafts.kind import aux_features
     from recipe import TrainConfig
@@ -455,6 +466,20 @@ def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width
                  torch.ones_like(ids), steps=1)[0]
     torch.testing.assert_close(out, hs[3], atol=1e-5, rtol=1e-5)  # layer 2's output
     assert torch.equal(head.norm.weight, target.model.norm.weight)
+    two = Eagle3Head.from_target(target, [0, 1, 1], torch.arange(VOCAB), init="target",
+                                 intermediate_size=width, layers=2)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(two.midlayer.self_attn, name).weight[:, :64] = 0
+    out = unroll(two, target.get_input_embeddings()(ids), aux_features(hs, [0, 1, 1]),
+                 torch.ones_like(ids), steps=1)[0]
+    torch.testing.assert_close(out, hs[3], atol=1e-5, rtol=1e-5)  # layers 1 and 2
+    with pytest.raises(ConfigError, match="lower train.eagle_layers to 1 or the highest of "
+                                          "train.eagle_aux_layers to 2"):
+        Eagle3Head.from_target(target, AUX, torch.arange(VOCAB), init="target", layers=2)
+    deep = TrainConfig(draft="eagle3", head_init="target", ttt_steps=4, eagle_aux_layers=AUX,
+                       eagle_layers=2)
+    with pytest.raises(ConfigError, match="lower train.eagle_layers"):  # before any stage
+        Eagle3().check_target(deep, 4, target.config.to_dict())
     with pytest.raises(ConfigError, match="'random' or 'target'"):
         Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="layer")
     with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):
