@@ -483,7 +483,8 @@ class TrainConfig:
     architecture, random weights), an HF causal LM folder / hub id with the target's vocab, or
     'medusa:<heads>' / 'medusa:<heads>x<layers>' (Medusa heads on the frozen target's last hidden
     state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's),
-    'eagle3' (an EAGLE-3 head: one decoder layer on the target's aux features, see below),
+    'eagle3' (an EAGLE-3 head: decoder layers (eagle_layers, one by default) on the target's
+    aux features, see below),
     'dflash' / 'dflash:<layers>' (a DFlash block drafter on the target's aux features, filling
     block_size masks in one forward), or 'pard:<independent spec>' (an independent draft trained
     for parallel drafting: block_size-1 mask tokens after the context, one forward)."""
