@@ -129,7 +129,7 @@ class Eagle3:
                            Eagle3Model(head, target.get_input_embeddings()))
 
     def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
-        return loaded  # Eagle3Draft quantises the six matrices of its FusedLayer (loaded.weights)
+        return loaded  # Eagle3Draft quantises the matrices of its FusedLayer (loaded.weights)
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> Eagle3Draft:
         return Eagle3Draft(loaded.model.head, loaded.model.embedding, name, loaded.weights,
