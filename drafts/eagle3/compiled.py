@@ -102,11 +102,10 @@ class CompiledHead:
     def _slot(index: int, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(index, dtype=torch.long, device=like.device)
 
-    def _layers(self, embeds, hidden, keys, values, mask, slots, valid, allowed, cos, sin):
-        """New slots [t] through every layer: embeds, hidden [B, t, H], valid [B, t], allowed
-        [B, t, C]; layer i's k, v enter its buffers at the slots, in place, before its queries
-        read them -> the last layer's pre-norm outputs [B, t, H]."""
-        mask.index_copy_(1, slots, valid)
+    def _layers(self, embeds, hidden, keys, values, slots, allowed, cos, sin):
+        """New slots [t] (their mask already written) through every layer: embeds, hidden
+        [B, t, H], allowed [B, t, C]; layer i's k, v enter its buffers at the slots, in place,
+        before its queries read them -> the last layer's pre-norm outputs [B, t, H]."""
         for i in range(self.layer.num_layers):
             q, k, v = self.layer.project_rotated(embeds, hidden, cos, sin, i)
             keys[i].index_copy_(2, slots, k)
@@ -129,10 +128,9 @@ class CompiledHead:
         embeds = self.embedding(token[:, None]).to(self.dtype)  # [B, 1, H]
         slot = length[None]
         live = torch.arange(mask.shape[1], device=mask.device) <= length  # [C]
-        valid = mask.new_ones(len(token), 1)
-        allowed = (mask.index_copy(1, slot, valid) & live)[:, None]  # [B, 1, C]
-        out = self._layers(embeds, hidden[:, None], keys, values, mask, slot, valid, allowed,
-                           cos, sin)
+        mask.index_copy_(1, slot, mask.new_ones(len(token), 1))
+        allowed = (mask & live)[:, None]  # [B, 1, C]
+        out = self._layers(embeds, hidden[:, None], keys, values, slot, allowed, cos, sin)
         return token, logits, out[:, 0]
 
     def _settle(self, tokens, features, valid, keys, values, mask, length, cos, sin):
@@ -146,6 +144,6 @@ class CompiledHead:
         slots = length + torch.arange(t, device=tokens.device)  # [t]
         every = torch.arange(mask.shape[1], device=mask.device)  # [C]
         before = every[None, :] <= slots[:, None]  # [t, C]: a slot's past and itself
-        seen = mask.index_copy(1, slots, valid)  # the mask once these slots are written
-        allowed = (before[None] & seen[:, None, :]) | (every[None, :] == slots[:, None])[None]
-        return self._layers(embeds, hidden, keys, values, mask, slots, valid, allowed, cos, sin)
+        mask.index_copy_(1, slots, valid)
+        allowed = (before[None] & mask[:, None, :]) | (every[None, :] == slots[:, None])[None]
+        return self._layers(embeds, hidden, keys, values, slots, allowed, cos, sin)
