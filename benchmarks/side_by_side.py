@@ -23,11 +23,12 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    features and the last hidden state after the final norm); for EAGLE-3 the draft vocabulary
    our trainer picked (the most frequent training labels) written as the peer's d2t / t2d, for
    DFlash our mask token;
-4. our trainer (resumed from its checkpoints), then each peer's (started over if killed, so
-   that one run is timed), for the same epochs: the wall time of each (features excluded: they
-   are shared) and the training tokens/s of its optimizer steps, as each trainer's own clock
-   times them (SpecForge's: a clock the entry point puts around each of its steps): over all
-   steps, and the median step's (robust to other work on the CPU);
+4. our trainer (resumed from its checkpoints), then each peer's (in a fresh process that finds
+   ours done, so that the memory ours' training left allocated is free for it; started over
+   if killed, so that one run is timed), for the same epochs: the wall time of each (features
+   excluded: they are shared) and the training tokens/s of its optimizer steps, as each
+   trainer's own clock times them (SpecForge's: a clock the entry point puts around each of its
+   steps): over all steps, and the median step's (robust to other work on the CPU);
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED
@@ -737,6 +738,13 @@ def main(argv: list[str] | None = None) -> int:
         trained["draftsmith"] = train_ours(cfg)
         results.pop("vllm_setting", None)  # a head trained now is measured now
         results_path.write_text(json.dumps(results, indent=2) + "\n")
+        if any(peer not in trained for peer in peers):
+            # stage 1, the feature cache and ours' training leave ~9 GiB allocated in this
+            # process (354 DFlash conversations): a peer's trainer beside it met the OOM killer
+            # on 24 GiB. A fresh process finds ours done in results.json and goes on.
+            print("[side-by-side] ours trained; the peers go on in a fresh process", flush=True)
+            os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
+                                      *(argv if argv is not None else sys.argv[1:])])
     bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
@@ -821,6 +829,10 @@ def render_table(results: dict) -> str:
 
 
 def write_docs(results: dict, table: str, argv: list[str]) -> None:
+    """This run's section of docs/side-by-side.md, in place of the section of the same title
+    (a section titled apart, such as "... (ours alone)", is kept beside it). A new doc opens
+    with the steps and the settings lists; an existing doc keeps what precedes its first
+    section (the summary table across runs is written there by hand)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True, check=False).stdout.strip()
     doc = ROOT / "docs" / "side-by-side.md"
@@ -833,12 +845,16 @@ def write_docs(results: dict, table: str, argv: list[str]) -> None:
         f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
         f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
         f"greedy, k={results['k']}.", "", table, ""])
-    head = "# Side by side with the field's trainers\n\n" + __doc__.split("\n\n", 2)[2]
-    head += "".join(f"\n{settings(kind)}" for kind in MATCHED)
-    sections = doc.read_text().split("\n## ")[1:] if doc.is_file() else []
+    if doc.is_file():
+        head, *sections = doc.read_text().split("\n## ")
+    else:
+        head = "# Side by side with the field's trainers\n\n" + __doc__.split("\n\n", 2)[2]
+        head += "".join(f"\n{settings(kind)}" for kind in MATCHED)
+        sections = []
     title = section.split("\n", 1)[0][3:]
-    kept = [s for s in sections if not s.startswith(title)]
-    doc.write_text(head + "".join("\n## " + s for s in kept) + "\n" + section)
+    kept = [s for s in sections if s.split("\n", 1)[0] != title]
+    doc.write_text(head + "".join("\n## " + s.rstrip("\n") + "\n" for s in kept) + "\n"
+                   + section)
 
 
 if __name__ == "__main__":

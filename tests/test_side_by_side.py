@@ -345,3 +345,36 @@ def test_a_peer_run_appends_to_its_log_and_a_failure_shows_its_end(tmp_path, mon
     with pytest.raises(RuntimeError, match=r"(?s)its trainer failed \(exit 3\).*args \['3'\] x"):
         run_peer("specforge", Path(sys.executable), ["3"], log, "its trainer", {"EXTRA": "x"})
     assert log.read_text().count("args") == 2  # appended
+
+
+def test_the_docs_keep_their_head_and_replace_only_the_section_of_the_same_title(tmp_path,
+                                                                                  monkeypatch):
+    import benchmarks.side_by_side as side_by_side
+
+    monkeypatch.setattr(side_by_side, "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "side-by-side.md"
+    results = {"config": "configs/r.yaml", "train_conversations": 354, "epochs": 1,
+               "cpu": "2 x CPU", "torch_threads": 2, "questions": 20, "max_new_tokens": 256,
+               "k": 4}
+    doc.write_text("# Side by side\n\nsummary kept by hand\n\n"
+                   "## configs/r.yaml: 354 training conversations, 1 epoch (ours alone)\n\n"
+                   "prose kept\n\n"
+                   "## configs/r.yaml: 354 training conversations, 1 epoch\n\nold table\n")
+    side_by_side.write_docs(results, "new table", ["--epochs", "1"])
+    text = doc.read_text()
+    assert text.startswith("# Side by side\n\nsummary kept by hand\n\n## ")
+    assert "1 epoch (ours alone)\n\nprose kept\n" in text
+    assert "old table" not in text and text.endswith("\nnew table\n")
+    assert text.count("## configs/r.yaml: 354 training conversations, 1 epoch\n") == 1
+
+    side_by_side.write_docs(results, "newer table", ["--epochs", "1"])  # again: replaced
+    again = doc.read_text()
+    assert again == text.replace("new table", "newer table")
+
+    doc.unlink()  # a new doc opens with the steps and the settings lists
+    side_by_side.write_docs(results, "new table", ["--epochs", "1"])
+    fresh = doc.read_text()
+    assert fresh.startswith("# Side by side with the field's trainers\n\nThe recipe's")
+    assert "\nSteps, each resumed" in fresh
+    assert "EAGLE-3, matched:" in fresh and "DFlash, not matched:" in fresh
