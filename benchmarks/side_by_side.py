@@ -24,7 +24,7 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    our trainer picked (the most frequent training labels) written as the peer's d2t / t2d, for
    DFlash our mask token;
 4. our trainer (resumed from its checkpoints), then each peer's (in a fresh process that finds
-   ours done, so that the memory ours' training left allocated is free for it; started over
+   ours done, so that the memory our stages left allocated is free for it; started over
    if killed, so that one run is timed), for the same epochs: the wall time of each (features
    excluded: they are shared) and the training tokens/s of its optimizer steps, as each
    trainer's own clock times them (SpecForge's: a clock the entry point puts around each of its
@@ -670,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                              "<variant>) next to the main run's; give the recipe overrides it "
                              "changes, and --peers '' to train no peer again")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    argv = sys.argv[1:] if argv is None else argv  # the command, for the docs and a re-exec
     args = parser.parse_args(argv)
 
     from accelerate import Accelerator
@@ -743,8 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             # process (354 DFlash conversations): a peer's trainer beside it met the OOM killer
             # on 24 GiB. A fresh process finds ours done in results.json and goes on.
             print("[side-by-side] ours trained; the peers go on in a fresh process", flush=True)
-            os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
-                                      *(argv if argv is not None else sys.argv[1:])])
+            os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side", *argv])
     bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
 
     heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
@@ -798,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     print(settings(kind))
     print(table)
     if args.write_docs:
-        write_docs(results, table, argv if argv is not None else sys.argv[1:])
+        write_docs(results, table, argv)
     return 0
 
 
@@ -853,8 +853,7 @@ def write_docs(results: dict, table: str, argv: list[str]) -> None:
         sections = []
     title = section.split("\n", 1)[0][3:]
     kept = [s for s in sections if s.split("\n", 1)[0] != title]
-    doc.write_text(head + "".join("\n## " + s.rstrip("\n") + "\n" for s in kept) + "\n"
-                   + section)
+    doc.write_text(head + "".join("\n## " + s for s in kept) + "\n" + section)
 
 
 if __name__ == "__main__":
