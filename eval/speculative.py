@@ -26,6 +26,7 @@ from assets.chat import render
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from decoding.acceptance import measured_acceptance
 from decoding.engine import RequestStats, decode_prompts
+from decoding.packed import pack_linears, packs
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig
 from recipe.config import EVAL_METHODS
@@ -264,6 +265,17 @@ def _load(cfg: Config, device: torch.device):
     return resolved, tokenizer, target, draft
 
 
+def pack_target(target, ev: EvalConfig) -> bool:
+    """eval.target_linear=packed on an fp32 CPU target: its products on oneDNN's prepacked
+    weights (decoding/packed.py), once every draft that reads the target's weights is built."""
+    if ev.target_linear != "packed" or not packs(target):
+        return False
+    count = pack_linears(target)
+    print(f"[eval] the target's {count} linear layers run on oneDNN's prepacked fp32 weights "
+          "(eval.target_linear=packed)", flush=True)
+    return True
+
+
 def evaluate(cfg: Config, device: torch.device) -> dict:
     """Run every configured method on the eval prompts; write the report; return the results."""
     ev = cfg.eval
@@ -278,6 +290,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         check_k_fits(other, ev)
         others[f"speculative:{draft_label(spec)}"] = other
     lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
+    packed = pack_target(target, ev)
 
     def runners(settings: DecodeSettings) -> dict[str, tuple[Runner, bool]]:
         """method -> (its runner, whether it drafts), fresh drafts and generators; each drafted
@@ -338,6 +351,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
                 result.identical_to_target = sum(
                     a == b for a, b in zip(measured[name].outputs, reference))
     report = {"target": resolved.name, "dtype": cfg.model.dtype,
+              "target_linear": "packed" if packed else "torch",
               "draft": draft.name if draft else None,
               "prompts": ev.prompts,
               "num_prompts": len(prompts), "skipped_over_context": skipped,
@@ -437,6 +451,7 @@ def compare(cfg: Config, prompt: str, device: torch.device) -> dict:
     if ev.draft is None:
         raise ConfigError("--compare needs a draft: set eval.draft.")
     _, tokenizer, target, draft = _load(cfg, device)
+    pack_target(target, ev)
     ids = [render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)]
     eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     plain, _ = run_engine("target", target, ids, ev, eos, pad, tokenizer, None, cfg.run.seed)

@@ -356,7 +356,7 @@ def _facts(cfg: Config) -> TargetFacts:
     if cfg.model.target.startswith("embedded:"):
         from assets.target import convert_embedded
 
-        return _named(target_facts(str(convert_embedded())), cfg)
+        return _named(target_facts(str(convert_embedded(cfg.model.target))), cfg)
     facts = target_facts(cfg.model.target)
     if facts is None:
         raise ConfigError(f"model.target={cfg.model.target!r}: its config.json is not in a local "

@@ -392,11 +392,21 @@ class EvalConfig(DecodeSettings):
     2-core AVX2 CPU, so an adaptive k compiles each new k when first drafted; again for a new
     batch size or chunk length; cached by inductor on disk); trees, and an EAGLE-3 head's
     sampled chains, run eager."""
+    target_linear: Literal["packed", "torch"] = "packed"
+    """The fp32 target's matrix products on a CPU: 'packed' runs them on oneDNN's prepacked
+    weights (decoding/packed.py: a (k + 1)-token forward costs little more than a 1-token one),
+    'torch' on torch's own F.linear. Every method of a run decodes on the same target, so
+    speedups compare like with like. No effect on a GPU or in bf16/fp16."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
     num_prompts: int | None = 10
-    """Prompts measured (the first ones of the set); None: all."""
+    """Prompts measured; None: all. Which ones: eval.prompt_pick."""
+    prompt_pick: Literal["first", "categories", "categories-tune"] = "first"
+    """'first': the set's first num_prompts. 'categories': MT-bench's categories in turn (coding,
+    extraction, math, ...: the 1st, 3rd, 5th, ... question of each), so 8 prompts cover all 8;
+    'categories-tune': the same over the 2nd, 4th, ... questions, a disjoint split to choose
+    settings on (k, tree size) before measuring on 'categories'."""
     methods: list[str] | None = None
     """Which of target (our loop), hf_generate, speculative (our engine with the draft),
     hf_assisted (transformers' assisted generation with the same draft and k), prompt_lookup.
@@ -442,6 +452,10 @@ class EvalConfig(DecodeSettings):
                               "name a draft (e.g. eval.draft=self) or drop those methods.")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ConfigError(f"eval.num_prompts={self.num_prompts} must be >= 1 (or null).")
+        if self.prompt_pick != "first" and self.prompts != "mtbench":
+            raise ConfigError(f"eval.prompt_pick={self.prompt_pick!r} draws across MT-bench's "
+                              f"categories, but eval.prompts={self.prompts!r}: set "
+                              "eval.prompts=mtbench or eval.prompt_pick=first.")
         if "hf_assisted" in self.methods and self.batch_size != 1:
             raise ConfigError("hf_assisted (transformers' assisted generation) runs batch 1 "
                               "only: set eval.batch_size=1 or drop it from eval.methods.")

@@ -14,6 +14,24 @@ from runfolder.paths import run_folder
 from runfolder.shards import load_distilled
 
 
+def across_categories(conversations: list[Conversation], n: int | None,
+                      tune: bool = False) -> list[Conversation]:
+    """n conversations taking each category in turn (in the order categories first appear), each
+    time its next question of even index within the category (odd with tune: a disjoint split).
+    MT-bench lists its 80 questions category by category, so its first n are all 'writing'."""
+    by_category: dict[str | None, list[Conversation]] = {}
+    for conv in conversations:
+        by_category.setdefault(conv.category, []).append(conv)
+    if None in by_category:
+        raise ConfigError("eval.prompt_pick draws across categories, but some prompts have no "
+                          "category: use eval.prompt_pick=first.")
+    queues = [group[int(tune)::2] for group in by_category.values()]
+    picked = []
+    for turn in range(max(map(len, queues))):
+        picked += [queue[turn] for queue in queues if turn < len(queue)]
+    return picked[:n]
+
+
 def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list[list[int]], int]:
     """The eval prompts in the chat template, and how many were skipped as too long for the
     target's context together with eval.max_new_tokens."""
@@ -34,7 +52,11 @@ def load_eval_prompts(cfg: Config, tokenizer, context: int | None) -> tuple[list
         conversations, _ = load_file(Path(ev.prompts).expanduser())
     if not conversations:
         raise ConfigError(f"eval.prompts={ev.prompts!r} holds no prompt.")
-    conversations = conversations[: ev.num_prompts]
+    if ev.prompt_pick == "first":
+        conversations = conversations[: ev.num_prompts]
+    else:
+        conversations = across_categories(conversations, ev.num_prompts,
+                                          tune=ev.prompt_pick == "categories-tune")
     prompts, skipped = [], 0
     for conv in conversations:
         ids = render(tokenizer, conv.first_turn(), add_generation_prompt=True)

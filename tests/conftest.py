@@ -161,6 +161,7 @@ def pytest_sessionfinish(session) -> None:
 
 
 TEST_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+QWEN_CODER = "embedded:Qwen2.5-Coder-0.5B-Instruct"
 """Set, with DRAFTSMITH_CACHE, for the whole test run and every process it starts. vLLM-CPU
 allocates and touches its whole KV cache as an engine starts: with 1 GiB instead of the 4 GiB
 vllm_cpu_environment gives a user's run, the embedded target's engine starts in 4.0 s instead
@@ -206,6 +207,25 @@ def smollm2_tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("smollm2_tokenizer")
     embedded_tokenizer().save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_tokenizer(tmp_path_factory):
+    """The second embedded target's tokenizer and chat template (Qwen2.5-Coder-0.5B-Instruct),
+    read from the header cut out of its first package alone, as convert_embedded saves them."""
+    from transformers import AutoTokenizer
+
+    from assets.target import embedded_tokenizer
+
+    folder = tmp_path_factory.mktemp("qwen_coder_tokenizer")
+    embedded_tokenizer(QWEN_CODER).save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="session", params=["smollm2", "qwen_coder"])
+def chat_tokenizer(request):
+    """Each embedded target's tokenizer in turn."""
+    return request.getfixturevalue(f"{request.param}_tokenizer")
 
 
 @pytest.fixture(scope="session")

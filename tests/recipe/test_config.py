@@ -5,7 +5,7 @@ import yaml
 
 from recipe import Config, ConfigError, load_config
 from recipe.config import parse_overrides
-from tests.helpers import ROOT
+from tests.helpers import ROOT, recipes
 
 RECIPE = ROOT / "configs" / "smollm2-135m-independent.yaml"
 
@@ -110,7 +110,7 @@ def test_tests_write_under_a_temporary_cache(temporary_cache):
     assert Path.home() / ".cache" not in cache_root().parents
 
 
-@pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("smollm2-*.yaml")),
+@pytest.mark.parametrize("recipe", recipes(embedded=True),
                          ids=lambda p: p.stem)
 def test_every_embedded_recipe_loads_with_the_auto_backend(recipe):
     cfg = load_config(recipe)

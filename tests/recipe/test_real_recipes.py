@@ -15,9 +15,10 @@ from drafts import check_target_config, check_train_config
 from recipe import ConfigError, load_config
 from serving.engines import check_target_served
 from serving.engines.vllm import VLLM
+from tests.helpers import recipes
 
 ROOT = Path(__file__).resolve().parents[2]
-REAL = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.stem.startswith("smollm2-"))
+REAL = recipes(embedded=False)
 
 
 def test_there_is_a_recipe_for_each_published_target_and_a_dflash_one():
