@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from eval.speculative import evaluate
     from serving.export import export_draft
     from serving.validate import validate
-    from train import TrainingDiverged, accelerator_kwargs, train_draft
+    from train import Dist, TrainingDiverged, accelerator_kwargs, train_draft
 
     try:
         accelerator = Accelerator(**accelerator_kwargs(cfg))
@@ -77,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             run_distill(cfg, accelerator)
         if "train" in stages:
             train_draft(cfg, accelerator)
-        if "eval" in stages and accelerator.is_main_process:  # one process measures speed
+        # the last collective: the other processes leave, so no barrier waits out the main
+        # process's own stages (hours of eval on a large target) against the group's timeout
+        accelerator.wait_for_everyone()
+        if not Dist.of(accelerator).is_main:
+            return _leave_process_group(status)
+        if "eval" in stages:  # one process measures speed
             evaluate(cfg, accelerator.device)
-        if "export" in stages and accelerator.is_main_process:
+        if "export" in stages:
             exported = export_draft(cfg, cfg.eval.k)
             print(f"[export] {exported.folder}; serve with:\n  {exported.command}")
-        if "validate" in stages and accelerator.is_main_process:
+        if "validate" in stages:
             result = validate(cfg)
             print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
                   f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
@@ -91,13 +96,22 @@ def main(argv: list[str] | None = None) -> int:
                 print("error: the export does not reproduce the trained draft in vLLM:\n  "
                       + "\n  ".join(result.failures), file=sys.stderr)
                 status = 1
-        accelerator.wait_for_everyone()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
+    return _leave_process_group(status)
+
+
+def _leave_process_group(status: int) -> int:
+    """End this process's part in the launch's process group (a launcher's processes leave one
+    by one: the main process last, after its own stages)."""
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
     return status
 
 

@@ -43,10 +43,18 @@ class RunConfig:
     """Where every stage writes (data/, config.yaml, ...). None: <cache>/runs/<name>."""
     seed: int = 0
     """Seed for prompt selection order and sampling."""
+    collective_timeout_minutes: float = 60.0
+    """How long a process waits in one collective (barrier, all-reduce) before the launch
+    fails: the longest wait is the slowest process's share of stage 1 or of the feature dump.
+    The main process's own stages (eval, export, validate) run after the last collective, so
+    their hours never count against it."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'.")
+        if not self.collective_timeout_minutes > 0:
+            raise ConfigError(f"run.collective_timeout_minutes={self.collective_timeout_minutes}: "
+                              "a positive number of minutes (60 by default).")
 
     @property
     def output_path(self) -> Path:

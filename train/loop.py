@@ -20,10 +20,12 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from accelerate.utils import InitProcessGroupKwargs
 
 from assets.target import (
     cpu_has_native_bf16,
@@ -195,8 +197,10 @@ def accelerator_kwargs(cfg: Config) -> dict:
     if precision == "bf16" and not gpu and not cpu_has_native_bf16():
         raise ConfigError("train.mixed_precision=bf16: this CPU lacks AVX512-BF16/AMX, so bf16 "
                           "would be emulated and slow: set train.mixed_precision=no.")
+    timeout = timedelta(minutes=cfg.run.collective_timeout_minutes)
     kwargs = {"mixed_precision": precision,
-              "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps}
+              "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+              "kwargs_handlers": [InitProcessGroupKwargs(timeout=timeout)]}
     if not gpu and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         # accelerate 1.15 makes processes started by its (torchrun) launcher a gloo group only
         # when told cpu=True; DeepSpeed runs its own group (see Dist)
