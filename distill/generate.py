@@ -21,6 +21,7 @@ from assets.target import (
     vllm_engine_options,
 )
 from decoding.hf import Reply, generate_replies
+from distill.placement import engine_environment
 from recipe import ConfigError, GenerationConfig, cache_root
 
 
@@ -67,7 +68,7 @@ class VLLMGenerator:
     transformers copy is loaded only for top-k log-probs, so both backends store the same ones."""
 
     def __init__(self, target, tokenizer, dtype: str, gen: GenerationConfig, device,
-                 max_model_len: int):
+                 max_model_len: int, gpus: tuple[str, ...] = ()):
         if device.type == "cpu":  # vLLM reads its CPU settings at import
             os.environ.update(vllm_cpu_environment(str(cache_root() / "vllm")))
         try:
@@ -81,12 +82,13 @@ class VLLMGenerator:
             inspect_models_in_process()
         self.gen, self.model = gen, None
         self.eos_ids = target_end_of_turn_ids(target, tokenizer)
-        self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
-                       dtype=dtype, seed=0, max_model_len=max_model_len,
-                       enforce_eager=gen.vllm_enforce_eager,
-                       tensor_parallel_size=gen.vllm_tensor_parallel_size,
-                       **(vllm_engine_options(target.path, dtype) if device.type == "cpu"
-                          else {}))
+        with engine_environment(gpus):  # its own GPUs, out of the launch's process group
+            self.llm = LLM(model=target.path, tokenizer=target.path, revision=target.revision,
+                           dtype=dtype, seed=0, max_model_len=max_model_len,
+                           enforce_eager=gen.vllm_enforce_eager,
+                           tensor_parallel_size=gen.vllm_tensor_parallel_size,
+                           **(vllm_engine_options(target.path, dtype) if device.type == "cpu"
+                              else {}))
 
     def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         from vllm import SamplingParams
@@ -143,9 +145,10 @@ def resolve_generation(gen: GenerationConfig) -> GenerationConfig:
     return dataclasses.replace(gen, backend=backend, batch_size=batch_size)
 
 
-def make_generator(target, tokenizer, cfg, device):
+def make_generator(target, tokenizer, cfg, device, gpus: tuple[str, ...] = ()):
     """generation.backend -> the generator stage 1 runs (the transformers model is loaded for
-    the 'hf' backend, and for 'vllm' only when top-k log-probs are stored)."""
+    the 'hf' backend, and for 'vllm' only when top-k log-probs are stored); gpus: the vLLM
+    engine's (distill.placement)."""
     gen = cfg.generation
     if device.type == "cpu" and cfg.model.dtype == "bfloat16" and not cpu_has_native_bf16():
         print("[distill] warning: model.dtype=bfloat16 on a CPU without native bf16 (no "
@@ -163,7 +166,7 @@ def make_generator(target, tokenizer, cfg, device):
 
     context = getattr(AutoConfig.from_pretrained(target.path, revision=target.revision),
                       "max_position_embeddings", None) or 4096
-    generator = VLLMGenerator(target, tokenizer, cfg.model.dtype, gen, device, context)
+    generator = VLLMGenerator(target, tokenizer, cfg.model.dtype, gen, device, context, gpus)
     if gen.top_k_logprobs:
         generator.model = load_target(target, cfg.model.dtype, device)
     return generator

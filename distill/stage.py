@@ -25,6 +25,7 @@ from distill.generate import (
     resolve_generation,
     topk_logprobs,
 )
+from distill.placement import EngineSlot, slot_of
 from recipe import Config, ConfigError
 from recipe.disk import check_free_space
 from runfolder import (
@@ -67,14 +68,9 @@ class DistillSummary:
 
 def run_distill(cfg: Config, accelerator) -> DistillSummary:
     cfg = dataclasses.replace(cfg, generation=resolve_generation(cfg.generation))
-    tensor_parallel = cfg.generation.vllm_tensor_parallel_size
-    if cfg.generation.backend == "vllm" and tensor_parallel > 1 and accelerator.num_processes > 1:
-        raise ConfigError(
-            f"generation.vllm_tensor_parallel_size={tensor_parallel} spreads one vLLM engine over "
-            f"{tensor_parallel} GPUs, but stage 1 was launched as {accelerator.num_processes} "
-            "processes, each of which would start its own on the same GPUs: run stage 1 as one "
-            "process (`python distill.py --config ... --stage distill`), or set "
-            "generation.vllm_tensor_parallel_size=1 for one engine per process.")
+    slot = (slot_of(accelerator, cfg.generation.vllm_tensor_parallel_size)
+            if cfg.generation.backend == "vllm"
+            else EngineSlot((), accelerator.process_index, accelerator.num_processes))
     out = cfg.run.output_path
     data_dir = RunFolder(out).data
     log = accelerator.print
@@ -123,7 +119,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     # less padding), so a resumed batch computes exactly what it would have: a batch is skipped
     # when all of it is written, else generated whole and only its missing rows written
     ordered = sorted(jobs, key=lambda j: j.first_prompt_len)
-    mine = ordered[accelerator.process_index :: accelerator.num_processes]
+    mine = [] if slot.share is None else ordered[slot.share :: slot.shares]
     batch_size = cfg.generation.batch_size
     batches = [mine[b : b + batch_size] for b in range(0, len(mine), batch_size)]
     batches = [b for b in batches if any(j.conversation.id not in done for j in b)]
@@ -133,7 +129,7 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
 
     generated_now, tokens, elapsed = 0, 0, 0.0
     if batches:
-        generator = make_generator(target, tokenizer, cfg, accelerator.device)
+        generator = make_generator(target, tokenizer, cfg, accelerator.device, slot.gpus)
         writer = ShardWriter(data_dir, accelerator.process_index, cfg.data.shard_size,
                              cfg.generation.top_k_logprobs)
         bar = tqdm(total=sum(map(len, batches)), unit="conv", desc="distill",

@@ -276,8 +276,8 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
         problems.append(
             f"distill: the target's weights ({weights / GIB:.1f} GiB per GPU) leave no room for "
             f"vLLM's KV cache in {KV_CACHE_FRACTION:.0%} of {dev.memory_gib:g} GiB: raise "
-            f"generation.vllm_tensor_parallel_size (one engine over more GPUs, stage 1 as one "
-            "process), or use GPUs with more memory.")
+            f"generation.vllm_tensor_parallel_size (one engine over more GPUs: every t-th "
+            "process drives one), or use GPUs with more memory.")
 
     # stage 2: training
     trainable, frozen = kind.parameters(cfg.train, facts.config)

@@ -174,9 +174,10 @@ class GenerationConfig:
     vllm_enforce_eager: bool = False
     """vLLM without torch.compile: starts in ~25 s instead of ~100 s on a CPU, generates slower."""
     vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine spreads the target over (a target too large for one GPU). With 1,
-    `accelerate launch` runs one engine per process (data parallel); above 1, stage 1 runs as
-    one process (`python distill.py --stage distill`) driving one engine over that many GPUs."""
+    """GPUs one vLLM engine spreads the target over (a target too large for one GPU). Under
+    `accelerate launch` each engine owns GPUs of its own and the prompts are split between
+    engines: with one process per GPU, every t-th process drives an engine over t GPUs
+    (distill/placement.py)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
