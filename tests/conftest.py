@@ -111,12 +111,12 @@ def _builds_wanted(items) -> list[tuple[list[str], bool]]:
     unfinished build carries no stamp and is started afresh) and DeepSpeed's shared-memory
     collective op, compiled on DeepSpeed's first CPU launch (~40 s; the tests whose accelerate
     config is a deepspeed-*.yaml; torch's extension lock would outlive a stopped build)."""
-    from serving.engines.llamacpp_build import VERSION, missing_build_tools
+    from serving.engines.llamacpp_build import BUILD, missing_build_tools
 
     launched = [item for item in items
                 if item.get_closest_marker("slow") or item.get_closest_marker("integration")]
     builds = []
-    stamp = llamacpp_for_tests() / VERSION / "build" / "draftsmith-build.json"
+    stamp = llamacpp_for_tests() / BUILD / "build" / "draftsmith-build.json"
     if (any("llamacpp" in getattr(item, "fixturenames", ()) for item in launched)
             and not stamp.is_file() and not missing_build_tools()):
         builds.append(([sys.executable, "-c",

