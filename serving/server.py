@@ -308,16 +308,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"(model {command[command.index('--served-model-name') + 1]!r}); "
                   f"speculation is fixed at start there, not per request:\n  "
                   + " ".join(command[:3] + ["..."]), flush=True)
-            import subprocess
-
             from assets.target import vllm_cpu_environment
             from recipe import cache_root
 
             env = dict(os.environ)
             if not torch.cuda.is_available():  # vLLM for CPU: cores bound, a bounded KV cache
                 env.update(vllm_cpu_environment(str(cache_root())))
-            return subprocess.call(command, env=env)
-        device = torch.device("cpu")
+            sys.stdout.flush()
+            # vLLM's server becomes this process: a SIGTERM (a scheduler's stop) reaches it, and
+            # nothing is left holding the GPU when the command ends
+            os.execve(command[0], command, env)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         served = Served(cfg, parse_drafts(args.draft), device)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

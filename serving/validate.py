@@ -162,11 +162,20 @@ class OurRun:
     """Where the target's HF folder is (what vLLM loads)."""
 
 
-def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
+def default_device() -> torch.device:
+    """Where our engine decodes for a check: the GPU when there is one (an 8B target in fp32 on
+    a CPU takes hours), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def our_run(cfg: Config, settings: DecodeSettings, device: torch.device | None = None) -> OurRun:
     """The trained draft in our engine under settings (draft_temperature, draft_top_k: how our
-    draft proposes when sampling, as the engine's does unless told otherwise on purpose). Kept
-    in the cache (our_run_path) and reused: validating the same draft against a second engine,
-    or a broken export against the draft it came from, decodes once."""
+    draft proposes when sampling, as the engine's does unless told otherwise on purpose), on
+    device (default_device()); the target is then moved to the CPU (its logit gaps need a few
+    forwards; the GPU is the engine's next). Kept in the cache (our_run_path) and reused:
+    validating the same draft against a second engine, or a broken export against the draft it
+    came from, decodes once."""
+    device = device or default_device()
     trained = run_folder(cfg).draft
     if not (trained / "config.json").is_file():
         raise ConfigError(f"{trained} holds no trained draft to compare the engine with: run the "
@@ -177,15 +186,21 @@ def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
     prompts, _ = load_eval_prompts(cfg, tokenizer,
                                    getattr(target.config, "max_position_embeddings", None))
     eos = end_of_turn_ids(target, tokenizer)
-    path = our_run_path(resolved.fingerprint, trained, prompts, eos, settings, cfg.run.seed)
+    path = our_run_path(resolved.fingerprint, trained, prompts, eos, settings, cfg.run.seed,
+                        device.type)
     if path.is_file():
         kept = json.loads(path.read_text())
         return OurRun(kept["tokens"], [RequestStats(**s) for s in kept["stats"]], prompts, eos,
                       kept["draft_name"], target, resolved.path)
-    draft = load_draft(str(trained), target, tokenizer, torch.float32, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(cfg.run.seed)
+    target.to(device)
+    draft = load_draft(str(trained), target, tokenizer, torch.float32, device)
+    generator = torch.Generator(device).manual_seed(cfg.run.seed)
     run = decode_prompts(target, prompts, settings, eos, tokenizer.pad_token_id,
                          engine_draft(draft), generator, tokenizer.decode)
+    del draft
+    target.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".tmp").write_text(json.dumps(
         {"tokens": run.tokens, "stats": [asdict(s) for s in run.stats], "draft_name": draft.name}))
@@ -194,7 +209,7 @@ def our_run(cfg: Config, settings: DecodeSettings) -> OurRun:
 
 
 def our_run_path(target_fingerprint: str, draft: Path, prompts: list[list[int]], eos: set[int],
-                 settings: DecodeSettings, seed: int) -> Path:
+                 settings: DecodeSettings, seed: int, device_type: str = "cpu") -> Path:
     """Where our_run keeps a run: keyed by the target's fingerprint, the draft's weight files
     (name, size, modification time), the prompts, the stop tokens, the settings, the seed and
     the source of the engine and the drafts (decoding/, drafts/), so any change decodes anew."""
@@ -209,7 +224,8 @@ def our_run_path(target_fingerprint: str, draft: Path, prompts: list[list[int]],
                           if f.suffix in (".safetensors", ".bin", ".json"))
     key = hashlib.sha256(json.dumps(
         [target_fingerprint, weights, prompts, sorted(eos), asdict(settings), seed,
-         sources.hexdigest()], sort_keys=True).encode()).hexdigest()
+         sources.hexdigest(), *([device_type] if device_type != "cpu" else [])],
+        sort_keys=True).encode()).hexdigest()
     return cache_root() / "validate-ours" / f"{key[:32]}.json"
 
 
@@ -304,7 +320,8 @@ def results_path(cfg: Config, engine: ServingEngine) -> Path:
 
 def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | None = None,
              tolerance: float = 0.05, settings: DecodeSettings | None = None,
-             our_draft_temperature: float | None = None) -> Validation:
+             our_draft_temperature: float | None = None,
+             device: torch.device | None = None) -> Validation:
     """The engine against our engine on the eval prompts under settings (temperature, top_p,
     top_k; max_new_tokens, k and batch size come from the recipe and the export). Greedy:
     greedy_comparison. Sampled: the 95 % intervals of tau and each alpha_k overlap (each
@@ -318,7 +335,7 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
     as_engine = engine.drafting(exported, settings)
     drafting = as_engine if our_draft_temperature is None else replace(
         as_engine, draft_temperature=our_draft_temperature)
-    ours = our_run(cfg, drafting)
+    ours = our_run(cfg, drafting, device)
     mine = engine.our_counters(ours.stats, exported.k, settings.max_new_tokens)
     spec = engine.run(cfg, exported, ours.target_path, ours.prompts, settings, ours.eos, True)
     extra = {"temperature": settings.temperature, "top_p": settings.top_p,

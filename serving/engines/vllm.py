@@ -101,10 +101,18 @@ def speculative_config(folder: Path) -> dict:
     return speculative
 
 
-def server_command(target_path: str, speculative: dict) -> str:
-    return ("python -m vllm.entrypoints.openai.api_server --model "
-            f"{shlex.quote(target_path)} --speculative-config "
-            f"{shlex.quote(json.dumps(speculative))}")
+def chat_mode_argv(cfg: Config) -> list[str]:
+    """The chat mode the draft was trained in (model.chat_template_kwargs, e.g. Qwen3's
+    enable_thinking: false) as vLLM's server default, so chat requests are rendered as the
+    training data was; [] when the recipe sets none."""
+    kwargs = cfg.model.chat_template_kwargs
+    return ["--default-chat-template-kwargs", json.dumps(kwargs, sort_keys=True)] if kwargs else []
+
+
+def server_command(target_path: str, speculative: dict, chat_mode: list[str] = ()) -> str:
+    return shlex.join(["python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                       target_path, "--speculative-config", json.dumps(speculative),
+                       *chat_mode])
 
 
 def vllm_version() -> str:
@@ -374,7 +382,7 @@ class VLLM:
         method, options = METHODS[kind.name]
         speculative = {"method": method, "model": str(out.resolve()),
                        "num_speculative_tokens": k, **options}
-        command = server_command(target.path, speculative)
+        command = server_command(target.path, speculative, chat_mode_argv(cfg))
         with staged(out) as tmp:
             shutil.copytree(draft_folder, tmp, dirs_exist_ok=True)
             kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
@@ -455,7 +463,7 @@ class VLLM:
         command = [sys.executable, "-m", "serving.vllm_api", "--model",
                    resolve_target(cfg.model).path, "--served-model-name", model_name, "--host",
                    host, "--port", str(port), "--dtype", cfg.model.dtype, "--speculative-config",
-                   json.dumps(speculative)]
+                   json.dumps(speculative), *chat_mode_argv(cfg)]
         if api_key:
             command += ["--api-key", api_key]
         if self.enforce_eager:

@@ -200,3 +200,19 @@ def test_a_head_whose_d2t_mismatches_t2d_is_neither_exported_nor_validated(tiny_
     with pytest.raises(ConfigError, match="does not map onto"):
         export_draft(cfg, k=2, out=tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+def test_the_chat_mode_the_draft_learned_in_is_in_every_vllm_command(tiny_target, tmp_path):
+    from serving.engines.vllm import VLLM
+
+    _heads(tiny_target, tmp_path / "run" / "train" / "draft")
+    cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}",
+                             "model.chat_template_kwargs={enable_thinking: false}"])
+    result = export_draft(cfg, k=2)
+    mode = """--default-chat-template-kwargs '{"enable_thinking": false}'"""
+    assert result.command.endswith(mode)
+    assert mode in (result.folder / "README.md").read_text()
+    argv = VLLM().server_argv(cfg, "target", "127.0.0.1", 8000, None)
+    assert argv[argv.index("--default-chat-template-kwargs") + 1] == '{"enable_thinking": false}'
+    plain = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}"])
+    assert "--default-chat-template-kwargs" not in VLLM().server_argv(plain, "t", "h", 1, None)

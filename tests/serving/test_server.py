@@ -323,3 +323,32 @@ def test_a_completion_returns_its_token_ids_when_asked_and_names_the_stops_it_se
     other = max(served.eos) + 1
     r = _post(server, "/v1/completions", {**body, "stop_token_ids": [other]})
     assert r.status_code == 400 and "end-of-turn tokens" in r.json()["error"]["message"]
+
+
+def test_the_vllm_server_is_execd_with_the_chat_mode_vllm_parses(tiny_target, tmp_path,
+                                                                  monkeypatch):
+    """--engine vllm replaces this process by vLLM's server (a SIGTERM reaches vLLM; nothing is
+    orphaned), with the recipe's chat mode as the server's default, which vLLM's parser reads."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serving import server
+
+    folder = tmp_path / "export" / "eagle3"
+    folder.mkdir(parents=True)
+    (folder / "vllm_speculative_config.json").write_text(json.dumps(
+        {"method": "eagle3", "num_speculative_tokens": 4}))
+    execd = []
+
+    def execve(path, argv, env):
+        execd.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(server.os, "execve", execve)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  target: {tiny_target}\n  chat_template_kwargs:\n"
+                      f"    enable_thinking: false\nrun:\n  output_dir: {tmp_path}\n")
+    with pytest.raises(SystemExit):
+        server.main(["--config", str(recipe), "--engine", "vllm"])
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(execd[0][3:])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
