@@ -6,8 +6,8 @@
 Stages, in order: distill (the target writes the data), train (the draft learns the target's
 distributions on that data), eval (tau, alpha_k and speedup of eval.draft against the
 baselines), export (the trained draft as the folder vLLM serves, k = eval.k, with its model
-card). `--stage validate` then checks the export inside real vLLM (several minutes; not part of
-the default run), and `python -m serving.publish` uploads it.
+card), publish (the export to the Hub, when publish.repo_id is set). `--stage validate` checks
+the export inside real vLLM (several minutes; not part of the default run).
 
 This script and the stage-1 package share a name: `from distill import run_distill` below
 imports the package distill/ (Python finds the folder's __init__.py), not this file. Each stage
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-STAGES = ["distill", "train", "eval", "export"]
+STAGES = ["distill", "train", "eval", "export", "publish"]  # publish: when publish.repo_id is set
 ON_REQUEST = ["validate"]  # stages that run only when named
 
 
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                              "for a CPU accelerate config, else h100-80gb)")
     args, overrides = parser.parse_known_args(argv)
 
+    from assets.prompts import check_data_packages
     from drafts import check_target_config, check_train_config
     from recipe import ConfigError, load_config
     from serving.engines import check_target_served
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = check_train_config(cfg.train)
         check_target_config(cfg, kind)
         check_target_served(cfg, kind)
+        if not args.plan:  # the plan lists it among its problems
+            check_data_packages(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     from distill import run_distill
     from eval.speculative import evaluate
     from serving.export import export_draft
+    from serving.publish import publish_stage
     from serving.validate import validate
-    from train import Dist, TrainingDiverged, accelerator_kwargs, train_draft
+    from train import Dist, Stopped, TrainingDiverged, accelerator_kwargs, train_draft
 
     try:
         accelerator = Accelerator(**accelerator_kwargs(cfg))
@@ -87,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         if "export" in stages:
             exported = export_draft(cfg, cfg.eval.k)
             print(f"[export] {exported.folder}; serve with:\n  {exported.command}")
+        if "publish" in stages and (cfg.publish.repo_id or args.stage == "publish"):
+            publish_stage(cfg)
         if "validate" in stages:
-            result = validate(cfg)
+            result = validate(cfg, device=accelerator.device)
             print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
                   f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
                   f"{result.identical_engine_texts}/{result.prompts}")
@@ -102,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         print(f"training stopped: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:
+        print(f"[train] {e}", file=sys.stderr)
+        return 128 + 15  # as a process ended by SIGTERM: a scheduler requeues it
     return _leave_process_group(status)
 
 

@@ -9,6 +9,7 @@ from recipe.config import (
     EvalConfig,
     GenerationConfig,
     ModelConfig,
+    PublishConfig,
     RunConfig,
     TrackingConfig,
     TrainConfig,
@@ -17,5 +18,5 @@ from recipe.config import (
 )
 
 __all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "DecodeSettings",
-           "EvalConfig", "GenerationConfig", "ModelConfig", "RunConfig", "TrackingConfig",
+           "EvalConfig", "GenerationConfig", "ModelConfig", "PublishConfig", "RunConfig", "TrackingConfig",
            "TrainConfig", "cache_root", "load_config"]

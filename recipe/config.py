@@ -694,8 +694,40 @@ class TrackingConfig:
     """Where training metrics go, besides <output>/train/log.jsonl."""
     project: str = "draftsmith"
     """W&B project / tensorboard subfolder; the run is named after run.name."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """W&B stays offline (files under <output>/train/wandb, `wandb sync` later) unless 'online'."""
+    wandb_mode: Literal["offline", "online"] | None = None
+    """W&B's mode; None: $WANDB_MODE where set, else offline (files under
+    <output>/train/wandb, `wandb sync` later)."""
+    entity: str | None = None
+    """W&B entity (team or user); None: the account's default."""
+    group: str | None = None
+    """W&B group, e.g. one name for a recipe's ablation arms."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    progress_every_s: float = 60.0
+    """Training's progress (optimizer_step, loss, tokens/s, ETA; the main process only): a bar
+    on a terminal; in a log file one line at most this often (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.progress_every_s < 0:
+            raise ConfigError(f"tracking.progress_every_s={self.progress_every_s}: seconds "
+                              ">= 0 (0: no progress lines in a log file).")
+
+
+@dataclass
+class PublishConfig:
+    repo_id: str | None = None
+    """'<user or org>/<name>' on the Hugging Face Hub: the pipeline uploads the export there after
+    the export stage (credentials: HF_TOKEN, else the token `hf auth login` saved). None: no
+    upload (`python -m serving.publish` still can)."""
+    private: bool = True
+    """Create the repo private. An existing public repo is refused rather than published to."""
+    revision: str | None = None
+    """The branch to upload to (created from main when missing); None: main."""
+
+    def __post_init__(self) -> None:
+        if self.repo_id is not None and (self.repo_id.count("/") != 1
+                                         or not all(self.repo_id.split("/"))):
+            raise ConfigError(f"publish.repo_id={self.repo_id!r} must be '<user or org>/<name>'.")
 
 
 @dataclass
@@ -707,6 +739,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,7 +3,8 @@ place that spells the layout.
 
     <run>/manifest.json, config.yaml, data/*.parquet    stage 1 (distill)
     <run>/features/                                     the target's features cache (train)
-    <run>/train/draft/, train/checkpoints/, log.jsonl   stage 2 (train)
+    <run>/train/draft/, train/checkpoints/, log.jsonl,
+        curve.png, wandb-run-id                         stage 2 (train)
     <run>/eval/results.json                             stage 3 (eval)
     <run>/export/<name>/                                serving.export
     <run>/validate/results*.json                        serving.validate
@@ -55,6 +56,21 @@ class RunFolder:
     @property
     def checkpoints(self) -> Path:
         return self.root / "train" / "checkpoints"
+
+    @property
+    def train_log(self) -> Path:
+        """One JSON line per optimizer step and per held-out evaluation."""
+        return self.root / "train" / "log.jsonl"
+
+    @property
+    def train_curve(self) -> Path:
+        """The training curve (loss, held-out acceptance), redrawn at each held-out eval."""
+        return self.root / "train" / "curve.png"
+
+    @property
+    def wandb_run_id(self) -> Path:
+        """The W&B run id, so a resumed run logs into the same W&B run."""
+        return self.root / "train" / "wandb-run-id"
 
     @property
     def eval_results(self) -> Path:

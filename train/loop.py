@@ -60,6 +60,7 @@ from train.data import (
 )
 from train.divergences import divergence
 from train.features import FeatureCache, feature_cache, noisy_features, target_hidden
+from train.watch import Progress, Stopped, TermSignal, draw_curve, wandb_init_kwargs, wandb_mode
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
 # trajectory (data, losses, schedule), only what gets logged or kept.
@@ -206,7 +207,8 @@ def accelerator_kwargs(cfg: Config) -> dict:
         # when told cpu=True; DeepSpeed runs its own group (see Dist)
         kwargs["cpu"] = True
     if cfg.tracking.tracker != "none":
-        os.environ["WANDB_MODE"] = cfg.tracking.wandb_mode
+        if cfg.tracking.tracker == "wandb":
+            os.environ["WANDB_MODE"] = wandb_mode(cfg)
         kwargs.update(log_with=cfg.tracking.tracker,
                       project_dir=str(run_folder(cfg).train))
     return kwargs
@@ -487,8 +489,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     resumed_from = _resume(accelerator, run.checkpoints, cfg, state)
     if dist.is_main:
         cfg.save(out / "config.yaml")
-    _start_tracking(accelerator, dist, cfg, out)
-    log = _Log(out / "log.jsonl", accelerator, dist, keep_until=state.optimizer_step)
+    _start_tracking(accelerator, dist, cfg)
+    log = _Log(run.train_log, accelerator, dist, keep_until=state.optimizer_step)
+    progress = Progress(tcfg.max_steps, state.optimizer_step, cfg.tracking.progress_every_s,
+                        enabled=dist.is_main)
     held_out = held_out_batches(data, cfg, pad_id)
     rows = getattr(_unwrap(model), "target_rows", None)  # [Vd] target ids of a draft vocabulary
     if rows is not None:
@@ -520,6 +524,8 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                              if result["walk_tau"] is not None else "") + ", "
                           f"alpha {result['alpha']}")
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
+        if dist.is_main:
+            draw_curve(run.train_log, run.train_curve, tcfg.best_by)
         figure = result[tcfg.best_by]
         better = (tcfg.keep == "best" and state.optimizer_step > 0 and figure is not None and
                   (best is None or best["after"].get(tcfg.best_by) is None
@@ -532,21 +538,31 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     before = last_eval = held_out_eval() if state.optimizer_step == 0 else None
     before = before or next((e["held_out"] for e in log.history
                              if e["optimizer_step"] == 0 and "held_out" in e), None)
-    while state.optimizer_step < tcfg.max_steps:
-        started = time.perf_counter()
-        lr = learning_rate(tcfg, state.optimizer_step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batches = _step_batches(cfg, data, state.optimizer_step, dist, accelerator, model,
-                                eos_ids, pad_id)
-        loss_sum, step_tokens, grad_norm = _optimizer_step(
-            cfg, accelerator, dist, model, optimizer, batches, signal, state)
-        log.write(state.advance(dist, batches, loss_sum, step_tokens, lr, grad_norm, started))
-        done = state.optimizer_step == tcfg.max_steps
-        if done or state.optimizer_step % tcfg.eval_every == 0:
-            last_eval = held_out_eval()
-        if done or state.optimizer_step % tcfg.save_every == 0:
-            _save_checkpoint(accelerator, dist, state, cfg)
+    with TermSignal() as term:
+        while state.optimizer_step < tcfg.max_steps:
+            started = time.perf_counter()
+            lr = learning_rate(tcfg, state.optimizer_step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = _step_batches(cfg, data, state.optimizer_step, dist, accelerator, model,
+                                    eos_ids, pad_id)
+            loss_sum, step_tokens, grad_norm = _optimizer_step(
+                cfg, accelerator, dist, model, optimizer, batches, signal, state)
+            entry = state.advance(dist, batches, loss_sum, step_tokens, lr, grad_norm, started)
+            log.write(entry)
+            progress.update(entry)
+            done = state.optimizer_step == tcfg.max_steps
+            if done or state.optimizer_step % tcfg.eval_every == 0:
+                last_eval = held_out_eval()
+            saved = done or state.optimizer_step % tcfg.save_every == 0
+            if saved:
+                _save_checkpoint(accelerator, dist, state, cfg)
+            if not done and dist.sum(float(term.requested)) > 0:  # all stop at the same step
+                folder = run.checkpoints / checkpoint_name(state.optimizer_step) if saved else \
+                    _save_checkpoint(accelerator, dist, state, cfg)
+                raise Stopped(f"SIGTERM: stopped after optimizer_step {state.optimizer_step} "
+                              f"with its checkpoint saved ({folder}); the same command resumes "
+                              "from it.")
     if last_eval is None:  # resumed at the very end
         last_eval = held_out_eval()
     summary = TrainSummary(run.draft, state.optimizer_step, before, last_eval, state.tokens,
@@ -646,12 +662,13 @@ def _resume(accelerator, checkpoints: Path, cfg: Config, state: TrainState) -> i
     return state.optimizer_step
 
 
-def _start_tracking(accelerator, dist: Dist, cfg: Config, out: Path) -> None:
+def _start_tracking(accelerator, dist: Dist, cfg: Config) -> None:
     if accelerator.trackers == [] and cfg.tracking.tracker != "none" and dist.is_main:
         flat = {f"{section}.{key}": value if isinstance(value, (int, float, str, bool)) else str(value)
                 for section, values in cfg.to_dict().items() for key, value in values.items()}
-        accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs={
-            "wandb": {"name": cfg.run.name, "dir": str(out)}})
+        init = ({"wandb": wandb_init_kwargs(cfg, run_folder(cfg))}
+                if cfg.tracking.tracker == "wandb" else {})
+        accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs=init)
 
 
 def _draft_record(state: TrainState, before: dict | None, after: dict) -> dict:

@@ -39,7 +39,7 @@ def test_override_beats_yaml(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.max_promts=3"], "valid keys of 'data': sources, max_prompts"),
-    (["trainer.lr=1"], "valid sections: run, model, data, generation, train, tracking, eval"),
+    (["trainer.lr=1"], "valid sections: run, model, data, generation, train, tracking, eval, publish"),
     (["data.max_prompts=many"], "must be an integer"),
     (["model.dtype=float8"], "is not one of"),
     (["generation.max_new_tokens"], "write section.field=value"),

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,8 +30,11 @@ def test_dry_run_lists_the_files_and_needs_no_token(exported, monkeypatch):
 
 
 def test_a_real_push_without_a_token_is_refused(exported, monkeypatch):
+    import huggingface_hub
+
     cfg, _ = exported
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no saved login either
     with pytest.raises(ConfigError, match="set HF_TOKEN"):
         publish(cfg, "someone/tiny-medusa")
     with pytest.raises(ConfigError, match="must be '<user or org>/<name>'"):
@@ -50,6 +54,9 @@ def test_the_upload_names_hub_ids_and_never_writes_the_token(exported, monkeypat
         def create_repo(self, repo_id, private, exist_ok):
             seen["repo"] = (repo_id, private)
 
+        def repo_info(self, repo_id):
+            return SimpleNamespace(private=seen["repo"][1])
+
         def upload_folder(self, folder_path, repo_id, commit_message):
             seen["files"] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
 
@@ -63,3 +70,65 @@ def test_the_upload_names_hub_ids_and_never_writes_the_token(exported, monkeypat
     assert all(b"hf_secret_value" not in content for content in seen["files"].values())
     assert "hf_secret_value" not in "".join(
         p.read_text(errors="ignore") for p in result.folder.iterdir() if p.is_file())
+
+
+class FakeHub:
+    """The Hub's API for one existing or new repo: records the calls, uploads nothing."""
+
+    def __init__(self, public_repos=()):
+        self.public, self.calls = set(public_repos), []
+
+    def __call__(self, token):
+        self.calls.append(("token", token))
+        return self
+
+    def create_repo(self, repo_id, private, exist_ok):
+        self.calls.append(("create_repo", repo_id, private))
+
+    def repo_info(self, repo_id):
+        return SimpleNamespace(private=repo_id not in self.public)
+
+    def create_branch(self, repo_id, branch, exist_ok):
+        self.calls.append(("create_branch", repo_id, branch))
+
+    def upload_folder(self, folder_path, repo_id, commit_message, revision=None):
+        self.calls.append(("upload_folder", repo_id, revision))
+
+
+def test_a_public_repo_asked_for_as_private_is_refused_and_nothing_is_uploaded(exported,
+                                                                               monkeypatch):
+    import huggingface_hub
+
+    cfg, _ = exported
+    hub = FakeHub(public_repos={"someone/public-drafts"})
+    monkeypatch.setattr(huggingface_hub, "HfApi", hub)
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    with pytest.raises(ConfigError, match="is public.*nothing was uploaded"):
+        publish(cfg, "someone/public-drafts", private=True)
+    assert not [c for c in hub.calls if c[0] == "upload_folder"]
+    publish(cfg, "someone/public-drafts", private=False)  # asked public: fine
+    assert hub.calls[-1] == ("upload_folder", "someone/public-drafts", None)
+
+
+def test_the_publish_stage_uses_the_recipe_section_and_the_saved_login(exported, monkeypatch):
+    import huggingface_hub
+
+    from serving.publish import publish_stage
+
+    cfg, _ = exported
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", hub)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_from_login")
+    staged = load_config(None, [f"model.target={cfg.model.target}",
+                                f"run.output_dir={cfg.run.output_path}",
+                                "publish.repo_id=someone/tiny", "publish.revision=v1"])
+    publish_stage(staged)
+    assert ("token", "hf_from_login") in hub.calls
+    assert ("create_repo", "someone/tiny", True) in hub.calls  # private unless said otherwise
+    assert hub.calls[-2:] == [("create_branch", "someone/tiny", "v1"),
+                              ("upload_folder", "someone/tiny", "v1")]
+    with pytest.raises(ConfigError, match="publish.repo_id"):
+        publish_stage(cfg)
+    with pytest.raises(ConfigError, match="must be '<user or org>/<name>'"):
+        load_config(None, ["publish.repo_id=no-namespace"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from recipe import ConfigError
+from recipe import ConfigError, load_config
 from tests.helpers import (
     EAGLE3,
     ROOT,
@@ -438,3 +439,89 @@ def test_max_conversations_trains_on_a_nested_subset_and_refuses_more_than_there
         load_stage1(tiny_run(f"train.max_conversations={len(every) + 1}"), fingerprint)
     with pytest.raises(ConfigError, match="must be >= train.micro_batch_size"):
         tiny_run("train.max_conversations=1")
+
+
+def test_training_shows_its_progress_resumes_its_wandb_run_and_draws_its_curve(
+        tiny_run, tmp_path, capsys):
+    overrides = ("tracking.tracker=wandb", "tracking.wandb_mode=offline", "tracking.group=arms",
+                 "tracking.tags=[tiny,resumed]", "tracking.progress_every_s=0.001",
+                 "train.keep=last")
+    cfg = tiny_run(*overrides)
+    _train(cfg)
+    err = capsys.readouterr().err
+    assert re.search(r"\[train\] optimizer_step 6/6 \(100 %\): loss \d+\.\d+, \d+ tokens/s, "
+                     r"ETA 0 s", err), err[-2000:]
+    out = cfg.run.output_path
+    assert (out / "train" / "curve.png").stat().st_size > 10_000
+    killed = tmp_path / "killed"  # what a kill right after the step-3 checkpoint leaves behind
+    shutil.copytree(out, killed)
+    shutil.rmtree(killed / "train" / "draft")
+    shutil.rmtree(killed / "train" / "checkpoints" / checkpoint_name(6))
+    time.sleep(1.1)  # W&B names an offline run's folder by the second it starts
+    assert _train(tiny_run(*overrides, f"run.output_dir={killed}")).resumed_from == 3
+    assert "optimizer_step 4/6" in capsys.readouterr().err  # the ETA counts from the resume
+    runs = sorted((killed / "train" / "wandb").glob("offline-run-*"))
+    run_id = (killed / "train" / "wandb-run-id").read_text().strip()
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    resumed = {row["_step"] for row in wandb_history(next(runs[1].glob("*.wandb")))
+               if "loss" in row}
+    assert resumed == {4, 5, 6}
+
+
+def test_wandb_mode_is_the_recipes_else_the_environments_else_offline(monkeypatch):
+    from train.watch import wandb_mode
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode(load_config(None, [])) == "online"
+    assert wandb_mode(load_config(None, ["tracking.wandb_mode=offline"])) == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_mode(load_config(None, [])) == "offline"
+
+
+def test_the_eta_and_its_clock():
+    from train.watch import clock, eta_seconds
+
+    assert eta_seconds(3, 6, 3, 10.0) is None  # nothing done in this invocation yet
+    assert eta_seconds(5, 10, 3, 20.0) == 50.0  # 2 steps in 20 s, 5 to go
+    assert [clock(s) for s in (None, 12, 245, 3720)] == ["?", "12 s", "4 min 05 s",
+                                                         "1 h 02 min"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_curve(
+        tiny_run, tmp_path, monkeypatch):
+    """A scheduler's SIGTERM mid-run: the step under way finishes, a checkpoint is saved at it
+    (between save_every's), training stops; the same command then ends on the uninterrupted
+    curve."""
+    import os
+    import signal
+
+    from train import Stopped
+    from train.watch import Progress
+
+    overrides = ("train.max_steps=6", "train.save_every=100", "train.eval_every=100",
+                 "train.keep=last")
+    reference = tiny_run(*overrides)
+    _train(reference)
+    expected = _losses(reference.run.output_path)
+    stopped = tmp_path / "stopped"
+    shutil.copytree(reference.run.output_path, stopped,
+                    ignore=shutil.ignore_patterns("train"))  # the stage-1 data (and features)
+    cfg = tiny_run(*overrides, f"run.output_dir={stopped}")
+    update = Progress.update
+
+    def terminated_at_step_3(self, entry):
+        update(self, entry)
+        if entry["optimizer_step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Progress, "update", terminated_at_step_3)
+    with pytest.raises(Stopped, match="after optimizer_step 3 .*step-00000003.*resumes"):
+        _train(cfg)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    assert not (stopped / "train" / "draft").exists()
+    monkeypatch.setattr(Progress, "update", update)
+    assert _train(cfg).resumed_from == 3
+    losses = _losses(stopped)
+    assert list(losses) == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+        assert losses[step] == pytest.approx(expected[step], abs=1e-4), step
