@@ -197,15 +197,16 @@ def our_run(cfg: Config, settings: DecodeSettings, device: torch.device | None =
     generator = torch.Generator(device).manual_seed(cfg.run.seed)
     run = decode_prompts(target, prompts, settings, eos, tokenizer.pad_token_id,
                          engine_draft(draft), generator, tokenizer.decode)
+    name = draft.name
     del draft
     target.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".tmp").write_text(json.dumps(
-        {"tokens": run.tokens, "stats": [asdict(s) for s in run.stats], "draft_name": draft.name}))
+        {"tokens": run.tokens, "stats": [asdict(s) for s in run.stats], "draft_name": name}))
     path.with_suffix(".tmp").replace(path)
-    return OurRun(run.tokens, run.stats, prompts, eos, draft.name, target, resolved.path)
+    return OurRun(run.tokens, run.stats, prompts, eos, name, target, resolved.path)
 
 
 def our_run_path(target_fingerprint: str, draft: Path, prompts: list[list[int]], eos: set[int],
