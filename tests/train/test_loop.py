@@ -525,3 +525,59 @@ def test_sigterm_saves_a_checkpoint_and_the_same_command_resumes_to_the_same_cur
     assert list(losses) == [1, 2, 3, 4, 5, 6]
     for step in range(1, 7):
         assert losses[step] == pytest.approx(expected[step], abs=1e-4), step
+
+
+@pytest.mark.slow
+def test_a_2_process_launch_shows_progress_stops_on_sigterm_and_resumes_its_wandb_run(
+        tiny_run, tmp_path):
+    """accelerate launch with 2 processes (gloo): the main process alone prints the progress
+    line with its ETA; a SIGTERM to the launcher (a scheduler's preemption) makes every process
+    save at the same step and stop; the same command then finishes the uninterrupted curve,
+    logged into the same W&B run (offline files), with its curve drawn."""
+    import signal
+    import subprocess
+
+    overrides = ["train.max_steps=40", "train.save_every=100", "train.eval_every=100",
+                 "train.warmup_steps=2", "train.gradient_accumulation_steps=2",
+                 "tracking.tracker=wandb", "tracking.wandb_mode=offline",
+                 "tracking.progress_every_s=0.001"]
+    reference = tiny_run(*overrides[:5], "train.gradient_accumulation_steps=4")
+    _train(reference)  # 1 process x 4 micro_steps = 2 processes x 2
+    expected = _losses(reference.run.output_path)
+    out = tmp_path / "launched"
+    shutil.copytree(reference.run.output_path, out, ignore=shutil.ignore_patterns("train"))
+    cfg = tiny_run(*overrides, f"run.output_dir={out}")
+    command = [*accelerate_launch("ddp-cpu.yaml"), str(ROOT / "distill.py"), "--config",
+               str(ROOT / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
+               *[f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}"
+                 for section, values in cfg.to_dict().items() for key, value in values.items()
+                 if section in ("run", "model", "train", "eval", "tracking")
+                 and value is not None]]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    log = out / "train" / "log.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.is_file() and sum(1 for _ in log.open()) >= 6):
+        assert process.poll() is None and time.monotonic() < deadline, "no steps logged"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    printed = process.communicate(timeout=120)[0]
+    assert process.returncode != 0 and "SIGTERM: stopped after optimizer_step" in printed
+    stopped_at = max(int(p.name.split("-")[1]) for p in (out / "train" / "checkpoints")
+                     .glob("step-*"))
+    assert 5 <= stopped_at < 40 and not (out / "train" / "draft").exists()
+    progress = re.findall(r"\[train\] optimizer_step (\d+)/40 .*ETA", printed)
+    assert progress and len(progress) == len(set(progress))  # the main process alone
+
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "optimizer_step 40/40 (100 %)" in resumed.stdout + resumed.stderr
+    losses = _losses(out)
+    assert list(losses) == list(range(1, 41))
+    for step in range(1, 41):
+        assert losses[step] == pytest.approx(expected[step], abs=1e-4), step
+    run_id = (out / "train" / "wandb-run-id").read_text().strip()
+    runs = sorted((out / "train" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    assert (out / "train" / "curve.png").is_file()
