@@ -115,6 +115,81 @@ def server_command(target_path: str, speculative: dict, chat_mode: list[str] = (
                        *chat_mode])
 
 
+VLLM_READERS = ("model_executor/models", "config", "transformers_utils", "v1/spec_decode")
+"""Where vLLM reads a draft's config: its config loading, model and speculative-decoding code."""
+SPECULATORS_KEYS = {"speculators_config", "speculators_model_type", "speculators_version",
+                    "transformer_layer_config", "architectures", "auto_map"}
+NOT_READ_BY_VLLM = {"draftsmith", "architectures", "model_type", "transformers_version", "dtype",
+                    "torch_dtype", "auto_map"}
+"""Our own metadata (read by our engine and tools) and the fields every loader handles."""
+
+
+def _vllm_source() -> str | None:
+    """The installed vLLM's code that reads configs (None without vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).parent
+    return "\n".join(f.read_text(errors="ignore") for folder in VLLM_READERS
+                     for f in sorted((root / folder).rglob("*.py")))
+
+
+def _names(config: dict, prefix: str = "") -> list[str]:
+    """config's keys, nested dicts' keys as parent.child (label maps and the like excluded)."""
+    names = []
+    for key, value in config.items():
+        names.append(prefix + key)
+        if isinstance(value, dict) and key not in ("id2label", "label2id", "rope_parameters",
+                                                    "rope_scaling"):
+            names += _names(value, f"{prefix}{key}.")
+    return names
+
+
+def unread_fields(config: dict, source: str | None = None) -> list[str] | None:
+    """The fields of an exported draft config the installed vLLM would not read (None without
+    vLLM): for the speculators format, the top-level fields its converter does not carry into
+    the model's config; then every field beyond transformers' own config of the model type
+    whose name appears nowhere in vLLM's config, model or speculative-decoding code."""
+    import copy
+
+    source = _vllm_source() if source is None else source
+    if source is None:
+        return None
+    dropped = []
+    if "speculators_model_type" in config:
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        kept = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
+        dropped = [k for k in config
+                   if k not in SPECULATORS_KEYS | NOT_READ_BY_VLLM and k not in kept]
+        config = kept
+    from transformers import AutoConfig
+
+    try:
+        base = set(AutoConfig.for_model(config.get("model_type", "")).to_dict())
+    except ValueError:  # a type vLLM registers itself (medusa, ...): every field is its
+        base = set()
+    unread = [name for name in _names(config)
+              if name.split(".")[0] not in base | NOT_READ_BY_VLLM
+              and not re.search(rf"\b{re.escape(name.split('.')[-1])}\b", source)]
+    return dropped + unread
+
+
+def check_vllm_reads(folder: Path) -> None:
+    """Refuse an export whose config.json holds a field the installed vLLM would ignore (the
+    draft would be served with that field's default, silently); nothing to check without
+    vLLM."""
+    unread = unread_fields(json.loads((folder / "config.json").read_text()))
+    if unread:
+        raise ConfigError(
+            f"vLLM {vllm_version()} would not read {unread} of the exported config: it would "
+            "serve this draft with their defaults instead. Serve it with the vLLM the exports "
+            "are validated against (the project's gpu/cpu extras: vLLM 0.32), or export it in "
+            "the other format (--format vllm / speculators).")
+
+
 def vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -388,6 +463,7 @@ class VLLM:
             kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
             cfg.save(tmp / "config.yaml")
             (tmp / CONFIG_NAME).write_text(json.dumps(speculative, indent=2) + "\n")
+            check_vllm_reads(tmp)
             if (report := eval_report_of(run_folder(cfg), draft_folder)) is not None:
                 (tmp / "eval_results.json").write_text(json.dumps(report, indent=2) + "\n")
             serving = "\n".join([

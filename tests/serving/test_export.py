@@ -216,3 +216,26 @@ def test_the_chat_mode_the_draft_learned_in_is_in_every_vllm_command(tiny_target
     assert argv[argv.index("--default-chat-template-kwargs") + 1] == '{"enable_thinking": false}'
     plain = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}"])
     assert "--default-chat-template-kwargs" not in VLLM().server_argv(plain, "t", "h", 1, None)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_a_field_the_installed_vllm_would_not_read_is_refused_at_export(tiny_target, tmp_path,
+                                                                        fmt):
+    """Both EAGLE-3 layouts pass (every field is read by the pinned vLLM); a field vLLM never
+    reads, or a top-level field its speculators converter drops, is named."""
+    from serving.engines.vllm import check_vllm_reads, unread_fields
+
+    _eagle3(tiny_target, tmp_path / "run" / "train" / "draft")
+    result = export_draft(_cfg(tiny_target, tmp_path), k=2, fmt=fmt)  # checked on the way
+    config = json.loads((result.folder / "config.json").read_text())
+    assert unread_fields(config) == []
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    layer["norm_before_fcx"] = True  # read nowhere in vLLM
+    expected = ["norm_before_fcx"]
+    if fmt == "speculators":
+        config["fc_norm_scale"] = 2.0  # top level: vLLM's converter does not carry it over
+        expected = ["fc_norm_scale", "norm_before_fcx"]
+    assert unread_fields(config) == expected
+    (result.folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"would not read \['"):
+        check_vllm_reads(result.folder)
