@@ -72,6 +72,9 @@ class DraftKind(Protocol):
     engines serve a kind, and how, each serving engine says (serving/engines/)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
+    config_fields_ours: tuple[str, ...] = ()
+    """Fields of its config.json that only draftsmith reads (the vLLM export's check that vLLM
+    reads every field skips them)."""
     quantised_weights: bool
     """Its engine draft can run its matrix products on int8 or int4 weights
     (decoding/quantise.py: a cheaper step; verification reads the quantised draft's own

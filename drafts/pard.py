@@ -142,6 +142,9 @@ class Pard:
     train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id",
                   "draft_vocab_size")
     formats = ("vllm",)
+    config_fields_ours = ("pard_trained_k",)
+    """Read by us, not by vLLM: the parallel positions trained (our export refuses a larger k;
+    vLLM takes k from the speculative config)."""
     hf_assistant = False  # transformers would run it one token at a time, without its masks
     quantised_weights = True
     compiled_steps = True

@@ -147,11 +147,13 @@ def _names(config: dict, prefix: str = "") -> list[str]:
     return names
 
 
-def unread_fields(config: dict, source: str | None = None) -> list[str] | None:
+def unread_fields(config: dict, source: str | None = None,
+                  ours: tuple[str, ...] = ()) -> list[str] | None:
     """The fields of an exported draft config the installed vLLM would not read (None without
     vLLM): for the speculators format, the top-level fields its converter does not carry into
     the model's config; then every field beyond transformers' own config of the model type
-    whose name appears nowhere in vLLM's config, model or speculative-decoding code."""
+    whose name appears nowhere in vLLM's config, model or speculative-decoding code. ours: a
+    kind's own fields, which only draftsmith reads (DraftKind.config_fields_ours)."""
     import copy
 
     source = _vllm_source() if source is None else source
@@ -163,7 +165,7 @@ def unread_fields(config: dict, source: str | None = None) -> list[str] | None:
 
         kept = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(config))
         dropped = [k for k in config
-                   if k not in SPECULATORS_KEYS | NOT_READ_BY_VLLM and k not in kept]
+                   if k not in SPECULATORS_KEYS | NOT_READ_BY_VLLM | set(ours) and k not in kept]
         config = kept
     from transformers import AutoConfig
 
@@ -172,16 +174,17 @@ def unread_fields(config: dict, source: str | None = None) -> list[str] | None:
     except ValueError:  # a type vLLM registers itself (medusa, ...): every field is its
         base = set()
     unread = [name for name in _names(config)
-              if name.split(".")[0] not in base | NOT_READ_BY_VLLM
+              if name.split(".")[0] not in base | NOT_READ_BY_VLLM | set(ours)
               and not re.search(rf"\b{re.escape(name.split('.')[-1])}\b", source)]
     return dropped + unread
 
 
-def check_vllm_reads(folder: Path) -> None:
+def check_vllm_reads(folder: Path, kind: DraftKind | None = None) -> None:
     """Refuse an export whose config.json holds a field the installed vLLM would ignore (the
-    draft would be served with that field's default, silently); nothing to check without
-    vLLM."""
-    unread = unread_fields(json.loads((folder / "config.json").read_text()))
+    draft would be served with that field's default, silently), but for the kind's own fields;
+    nothing to check without vLLM."""
+    unread = unread_fields(json.loads((folder / "config.json").read_text()),
+                           ours=getattr(kind, "config_fields_ours", ()))
     if unread:
         raise ConfigError(
             f"vLLM {vllm_version()} would not read {unread} of the exported config: it would "
@@ -463,7 +466,7 @@ class VLLM:
             kind.write_export(draft_folder, tmp, k, fmt, target_hub_id(cfg) or target.path)
             cfg.save(tmp / "config.yaml")
             (tmp / CONFIG_NAME).write_text(json.dumps(speculative, indent=2) + "\n")
-            check_vllm_reads(tmp)
+            check_vllm_reads(tmp, kind)
             if (report := eval_report_of(run_folder(cfg), draft_folder)) is not None:
                 (tmp / "eval_results.json").write_text(json.dumps(report, indent=2) + "\n")
             serving = "\n".join([

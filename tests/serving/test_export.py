@@ -239,3 +239,5 @@ def test_a_field_the_installed_vllm_would_not_read_is_refused_at_export(tiny_tar
     (result.folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"would not read \['"):
         check_vllm_reads(result.folder)
+    # a kind's own fields (PARD's trained positions) are read by us alone
+    assert unread_fields({**config, "pard_trained_k": 3}, ours=("pard_trained_k",)) == expected
