@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from assets.target import EMBEDDED, embedded, embedded_gguf, load_tokenizer, resolve_target
+from benchmarks.architecture_matrix import cpu_name
 from eval.speculative import quantile, speedup_stats
 from recipe import ConfigError, load_config
 from runfolder.prompts import load_eval_prompts
-from serving.engines.llamacpp import LlamaServer
+from serving.engines.base import Counters
+from serving.engines.llamacpp import LlamaServer, per_request
 from serving.engines.llamacpp_build import ensure_llamacpp
 
 DRAFT_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
@@ -66,7 +65,10 @@ class Arm:
 class ArmRun:
     tokens: list[list[int]]
     predicted_ms: list[float]
-    counters: dict
+    counters: Counters
+    """Over all prompts; alpha positions 1..k (llama.cpp's n-gram types may draft more)."""
+    accepted: int
+    """Draft tokens accepted, at every position."""
     k: int = 0
 
 
@@ -87,28 +89,17 @@ def run_arm(llama, target: Path, draft: Path | None, arm: Arm, prompts: list[lis
             max_new_tokens: int) -> ArmRun:
     server = LlamaServer(llama, target, draft if arm.needs_draft else None,
                          ",".join(arm.spec_types) or None, arm.k)
-    if arm.spec_types and not arm.needs_draft:  # n-gram drafting alone: no -md
-        server.command += ["--spec-type", ",".join(arm.spec_types), "--spec-draft-n-max",
-                           str(arm.k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     tokens, ms = [], []
     with server:
         server.complete(prompts[0], 8)  # warm-up, not counted
         before = server.counters()
         for prompt in prompts:
-            reply = server._post("/completion", {
-                "prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0,
-                "return_tokens": True, "cache_prompt": False, "top_k": 0, "top_p": 1.0,
-                "min_p": 0.0, "repeat_penalty": 1.0})
+            reply = server.completion(prompt, max_new_tokens)
             tokens.append(list(reply["tokens"]))
             ms.append(float(reply["timings"]["predicted_ms"]))
         after = server.counters()
-    counters = {"drafts": after["drafts"] - before["drafts"],
-                "accepted": after["accepted"] - before["accepted"],
-                "accepted_per_position": [
-                    a - (before["accepted_per_position"][j]
-                         if j < len(before["accepted_per_position"]) else 0)
-                    for j, a in enumerate(after["accepted_per_position"])]}
-    return ArmRun(tokens, ms, counters, arm.k)
+    return ArmRun(tokens, ms, per_request(after, before, arm.k),
+                  after["accepted"] - before["accepted"], arm.k)
 
 
 def verify_curve(llama, target: Path, sizes: list[int], context: int = 256,
@@ -121,29 +112,15 @@ def verify_curve(llama, target: Path, sizes: list[int], context: int = 256,
         for n in sizes:
             times = []
             for _ in range(repeats):
-                server._post("/completion", {"prompt": prefix, "n_predict": 0,
-                                             "cache_prompt": True})
+                server.completion(prefix, 0, cache_prompt=True)
                 extra = [rng.randrange(1000, 20000) for _ in range(n)]
-                reply = server._post("/completion", {"prompt": prefix + extra, "n_predict": 0,
-                                                     "cache_prompt": True})
+                reply = server.completion(prefix + extra, 0, cache_prompt=True)
                 if reply["timings"]["prompt_n"] != n:
                     raise RuntimeError(f"llama-server processed {reply['timings']['prompt_n']} "
                                        f"new tokens, not {n}: its prompt cache was not reused.")
                 times.append(float(reply["timings"]["prompt_ms"]))
             curve[n] = quantile(times, 0.5)
     return curve
-
-
-def cpu_line() -> str:
-    """The CPU as lscpu names it, with the flags that decide llama.cpp's and torch's kernels."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags]
-    return f"{fields.get('Model name', '?').strip()} ({os.cpu_count()} cores; {' '.join(wanted)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     llama = ensure_llamacpp()
     n_new = cfg.eval.max_new_tokens
     print(f"[llama.cpp] {target_gguf.name}; {len(prompts)} prompts ({cfg.eval.prompts}, "
-          f"{cfg.eval.prompt_pick}), greedy, {n_new} tokens, batch 1; {cpu_line()}")
-    results = {"cpu": cpu_line(), "target": str(target_gguf), "prompts": len(prompts),
+          f"{cfg.eval.prompt_pick}), greedy, {n_new} tokens, batch 1; {cpu_name()}")
+    results = {"cpu": cpu_name(), "target": str(target_gguf), "prompts": len(prompts),
                "max_new_tokens": n_new, "arms": {}}
     if args.verify_curve:
         curve = verify_curve(llama, target_gguf, [int(n) for n in args.verify_curve.split(",")])
@@ -205,17 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         speed = speedup_stats([n / ms for n, ms in zip(arm_n, run.predicted_ms)],
                               [n / ms for n, ms in zip(plain_n, plain_ms)])
         c = run.counters
-        tau = 1 + c["accepted"] / c["drafts"] if c["drafts"] else 1.0
-        alpha = [round(a / c["drafts"], 3)
-                 for a in c["accepted_per_position"][:run.k]] if c["drafts"] else []
+        tau = 1 + run.accepted / c.drafts if c.drafts else 1.0
+        alpha = [round(a / c.drafts, 3) for a in c.accepted_per_position] if c.drafts else []
         same = sum(a == b for a, b in zip(run.tokens, plain[0].tokens))
         print(f"| {name} | {sum(arm_n) / sum(run.predicted_ms) * 1000:.1f} | {pooled:.2f}x "
               f"[{low:.2f}, {high:.2f}] | {speed.median:.2f}x ({speed.q25:.2f}-{speed.q75:.2f}) "
-              f"| {speed.verdict} | {c['drafts']} | {tau:.3f} | {alpha} | {same}/{len(prompts)} |")
+              f"| {speed.verdict} | {c.drafts} | {tau:.3f} | {alpha} | {same}/{len(prompts)} |")
         results["arms"][name] = {"tokens_per_s": sum(arm_n) / sum(run.predicted_ms) * 1000,
                                  "speedup": pooled, "interval": [low, high],
                                  "median": speed.median, "q25": speed.q25, "q75": speed.q75,
-                                 "verdict": speed.verdict, "drafts": c["drafts"], "tau": tau,
+                                 "verdict": speed.verdict, "drafts": c.drafts, "tau": tau,
                                  "alpha": alpha,
                                  "identical": same}
     if args.json:

@@ -525,7 +525,7 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
                           f"alpha {result['alpha']}")
         log.write({"optimizer_step": state.optimizer_step, "held_out": result})
         if dist.is_main:
-            draw_curve(run.train_log, run.train_curve, tcfg.best_by)
+            draw_curve(log.history, run.train_curve, tcfg.best_by)
         figure = result[tcfg.best_by]
         better = (tcfg.keep == "best" and state.optimizer_step > 0 and figure is not None and
                   (best is None or best["after"].get(tcfg.best_by) is None
@@ -554,12 +554,11 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
             done = state.optimizer_step == tcfg.max_steps
             if done or state.optimizer_step % tcfg.eval_every == 0:
                 last_eval = held_out_eval()
-            saved = done or state.optimizer_step % tcfg.save_every == 0
-            if saved:
-                _save_checkpoint(accelerator, dist, state, cfg)
+            saved = None
+            if done or state.optimizer_step % tcfg.save_every == 0:
+                saved = _save_checkpoint(accelerator, dist, state, cfg)
             if not done and dist.sum(float(term.requested)) > 0:  # all stop at the same step
-                folder = run.checkpoints / checkpoint_name(state.optimizer_step) if saved else \
-                    _save_checkpoint(accelerator, dist, state, cfg)
+                folder = saved or _save_checkpoint(accelerator, dist, state, cfg)
                 raise Stopped(f"SIGTERM: stopped after optimizer_step {state.optimizer_step} "
                               f"with its checkpoint saved ({folder}); the same command resumes "
                               "from it.")

@@ -3,7 +3,6 @@ one after a resume), and the training curve as a picture in the run folder."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -91,15 +90,14 @@ def wandb_init_kwargs(cfg: Config, run: RunFolder) -> dict:
             **({"group": t.group} if t.group else {}), **({"tags": list(t.tags)} if t.tags else {})}
 
 
-def draw_curve(log: Path, out: Path, best_by: str) -> None:
-    """log.jsonl -> a picture: the training loss by optimizer_step and the held-out loss and
-    acceptance (best_by, e.g. walk_tau) at each held-out evaluation."""
+def draw_curve(entries: list[dict], out: Path, best_by: str) -> None:
+    """log.jsonl's entries -> a picture: the training loss by optimizer_step and the held-out
+    loss and acceptance (best_by, e.g. walk_tau) at each held-out evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = [json.loads(line) for line in log.read_text().splitlines() if line]
     steps = [(e["optimizer_step"], e["loss"]) for e in entries if "loss" in e]
     held = [(e["optimizer_step"], e["held_out"]) for e in entries if "held_out" in e]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))

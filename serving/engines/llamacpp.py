@@ -248,7 +248,7 @@ class LlamaCppEngine:
             tokens, seconds = found["tokens"], found["seconds"]
             per_prompt = [Counters(*c) for c in found["per_prompt"]]
         else:
-            server = LlamaServer(llama, target, draft, exported.method, k,
+            server = LlamaServer(llama, target, draft, exported.method if draft else None, k,
                                  draft_sampling=self.draft_sampling)
             tokens, per_prompt = [], []
             with server:
@@ -326,9 +326,10 @@ class LlamaServer:
         self.command = [str(llama.server), "-m", str(target), "--host", "127.0.0.1",
                         "--port", str(self.port), "-c", str(context), "-np", "1", "--metrics",
                         "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
-        if draft is not None:
+        if spec_type is not None:  # a draft model (-md) or llama.cpp's own n-gram drafting
             # a fixed k: never stop a draft early on its confidence, never discard a short one
-            self.command += ["-md", str(draft), "--spec-type", spec_type,
+            self.command += [*(["-md", str(draft)] if draft is not None else []),
+                             "--spec-type", spec_type,
                              "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
                              "--spec-draft-p-min", "0", "--spec-draft-sampling", draft_sampling]
 
@@ -382,14 +383,19 @@ class LlamaServer:
         with urllib.request.urlopen(request, timeout=600) as r:
             return json.loads(r.read())
 
+    def completion(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+                   seed: int = 0, cache_prompt: bool = False) -> dict:
+        """llama-server's reply to a token-id prompt (no template, no BOS added): its "tokens"
+        and its own "timings"."""
+        return self._post("/completion", {
+            "prompt": prompt, "n_predict": max_tokens, "temperature": temperature,
+            "seed": seed, "return_tokens": True, "cache_prompt": cache_prompt,
+            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0})
+
     def complete(self, prompt: list[int], max_tokens: int, temperature: float = 0.0,
                  seed: int = 0) -> list[int]:
-        """The generated token ids for a token-id prompt (no template, no BOS added)."""
-        reply = self._post("/completion", {
-            "prompt": prompt, "n_predict": max_tokens, "temperature": temperature,
-            "seed": seed, "return_tokens": True, "cache_prompt": False,
-            "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0})
-        return list(reply["tokens"])
+        """The generated token ids for a token-id prompt."""
+        return list(self.completion(prompt, max_tokens, temperature, seed)["tokens"])
 
     def counters(self) -> dict:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
