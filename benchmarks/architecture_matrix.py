@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from runfolder.paths import RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -98,7 +99,7 @@ def cell(arch: str, kind: str, engine: str, target: Path, data: Path, root: Path
     logs = root / "logs"
     result = dict(architecture=arch, kind=kind, engine=engine)
 
-    if not (out / "train" / "draft").is_dir():
+    if not RunFolder(out).draft.is_dir():
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         shutil.copytree(data / "data", out / "data")

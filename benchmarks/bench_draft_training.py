@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from runfolder.paths import RunFolder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                      "loss_tokens": summary.loss_tokens, "train_seconds": summary.train_seconds,
                      "tokens_per_s": summary.tokens / max(summary.train_seconds, 1e-9),
                      "wall_s": spent["wall_s"], "cpu_s": spent["cpu_s"],
-                     "curve": _curve(out / "train" / "log.jsonl")})
+                     "curve": _curve(RunFolder(out).train_log)})
 
     t = base.train
     print(f"\ndraft {t.draft}, {t.max_steps} optimizer steps x {t.micro_batch_size} x "

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from runfolder.paths import RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = Path(sys.executable).parent / "accelerate"
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     source = run_folder(cfg).root
-    if not (source / "manifest.json").is_file():
+    if not run_folder(cfg).manifest.is_file():
         print(f"error: no stage-1 data in {source}: run `distill.py --config {args.config} "
               "--stage distill` with the same overrides first.", file=sys.stderr)
         return 2
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     curves, seconds = {}, {}
     for launch in launches:
         out = source / "curves" / launch
-        log = out / "train" / "log.jsonl"
-        if not (out / "train" / "draft").is_dir():
+        log = RunFolder(out).train_log
+        if not RunFolder(out).draft.is_dir():
             out.mkdir(parents=True, exist_ok=True)
             for item in ("data", "manifest.json"):
                 if not (out / item).exists():

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.architecture_matrix import cpu_name
+from runfolder.paths import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = {"speculators": "speculators==0.9.0", "specforge": "specforge==0.2.0"}
@@ -312,7 +313,7 @@ def train_ours(cfg, log=print) -> dict:
     return {"folder": str(exported.folder), "wall_seconds": seconds,
             "step_seconds": summary.train_seconds, "step_tokens": summary.tokens,
             "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from,
-            "step_rates": our_step_rates(run_folder(cfg).train / "log.jsonl")}
+            "step_rates": our_step_rates(run_folder(cfg).train_log)}
 
 
 def head_vocabulary(head_folder: Path) -> torch.Tensor:
@@ -772,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
             results_path.write_text(json.dumps(results, indent=2) + "\n")
         heads[peer] = Path(trained[peer]["folder"])
     if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were
-        trained["draftsmith"]["step_rates"] = our_step_rates(ours / "train" / "log.jsonl")
+        trained["draftsmith"]["step_rates"] = our_step_rates(RunFolder(ours).train_log)
     for name, found in trained.items():
         if "step_rates" not in found:  # speculators' runs recorded before they were
             found["step_rates"] = speculators_steps(

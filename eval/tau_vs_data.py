@@ -9,7 +9,7 @@ Each run is one point: a folder whose train stage used train.max_conversations (
 stage-1 data. Read per point: the training conversations and the tokens the target generated
 for them (the data), the feature dump's seconds (features/manifest.json, when the run dumped
 features), the train stage's seconds and the predicted tau after training
-(train/draft/draftsmith_train.json), the measured tau of every eval mode that names the run's
+(train/draft's runfolder.paths.TRAIN_RECORD), the measured tau of every eval mode that names the run's
 draft ('speculative' of the eval's own draft, 'speculative:<run name>' of a compared one).
 Stage 1's CPU time per point is its generated tokens over the data set's tokens/s
 (--stage1-tokens-per-s, as stage 1 printed it). Writes tau_vs_data.md and tau_vs_data.png.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from runfolder import RunFolder, first_conversations, read_columns
+from runfolder import RunFolder, first_conversations, read_columns, train_record
 
 
 def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
@@ -34,8 +34,8 @@ def point(run: Path, evals: list[dict], stage1_tps: float | None) -> dict:
     rows = [r for r in read_columns(folder.data, ["id", "split", "generated_tokens"])
             if r["split"] == "train"]
     rows = first_conversations(rows, config["train"]["max_conversations"], key=lambda r: r["id"])
-    trained = json.loads((folder.draft / "draftsmith_train.json").read_text())
-    features = folder.features / "manifest.json"
+    trained = train_record(folder.draft)
+    features = folder.features_manifest
     generated = sum(r["generated_tokens"] for r in rows)
     measured = {mode: {"tau": m["tau"], "speedup": m.get("speedup"),
                        "identical": m.get("identical_to_target"), "prompts": results["num_prompts"]}
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = [Path(r).expanduser() for r in args.runs.split(",") if r]
     missing = [str(r) for r in runs 
-               if not (RunFolder(r).draft / "draftsmith_train.json").is_file()]
+               if train_record(RunFolder(r).draft) is None]
     if missing:
         parser.error(f"not a finished train stage: {', '.join(missing)} (train them first)")
     evals = [json.loads(Path(e).expanduser().read_text()) for e in args.eval.split(",") if e]

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from eval.tau_vs_data import evals_of_draft
-from runfolder import RunFolder, first_conversations, read_columns
+from runfolder import RunFolder, first_conversations, read_columns, train_record
 
 
 def curve(run: Path, stage1_seconds: float | None, stage1_tokens_per_s: float | None,
@@ -40,11 +40,11 @@ def curve(run: Path, stage1_seconds: float | None, stage1_tokens_per_s: float | 
     if stage1_seconds is None:
         generated = sum(r["generated_tokens"] for r in train + held_out)
         stage1_seconds = generated / stage1_tokens_per_s
-    features = folder.features / "manifest.json"
+    features = folder.features_manifest
     feature_seconds = (json.loads(features.read_text()).get("dump_seconds", 0.0)
                        if features.is_file() else 0.0)
     per_step = config["micro_batch_size"] * config["gradient_accumulation_steps"]
-    log = [json.loads(line) for line in (folder.train / "log.jsonl").read_text().splitlines()
+    log = [json.loads(line) for line in folder.train_log.read_text().splitlines()
            if line.strip()]
     seconds_at = {0: 0.0}
     for entry in log:
@@ -77,10 +77,10 @@ def curve(run: Path, stage1_seconds: float | None, stage1_tokens_per_s: float | 
 def measured(folder: RunFolder, evals: list[dict]) -> dict:
     """Measured tau of the run's trained draft, by mode, with the optimizer_step it was
     trained to (train.keep=best can keep an earlier step's draft)."""
-    done = folder.draft / "draftsmith_train.json"
-    if not done.is_file():
+    done = train_record(folder.draft)
+    if done is None:
         return {}
-    step = json.loads(done.read_text())["optimizer_steps"]
+    step = done["optimizer_steps"]
     return {mode: {"tau": m["tau"], "alpha": m.get("alpha"), "prompts": results["num_prompts"],
                    "optimizer_step": step} for mode, m, results in evals_of_draft(folder, evals)}
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     run = Path(args.run).expanduser()
-    if not (RunFolder(run).train / "log.jsonl").is_file():
+    if not RunFolder(run).train_log.is_file():
         parser.error(f"{run} has no train/log.jsonl: train it (or let it start) first")
     if args.stage1_tokens_per_s is not None and args.stage1_tokens_per_s <= 0:
         parser.error("--stage1-tokens-per-s must be > 0")

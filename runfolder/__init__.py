@@ -3,7 +3,7 @@ manifest, the identity check, the prompts a run is measured on, the eval report)
 every stage: distill writes it, train, eval and serving read it, and no stage imports another."""
 
 from runfolder.manifest import identity_differences, read_manifest, write_manifest
-from runfolder.paths import RunFolder, run_folder, run_name_of
+from runfolder.paths import TRAIN_RECORD, RunFolder, run_folder, run_name_of, train_record, write_train_record
 from runfolder.prompts import load_eval_prompts
 from runfolder.reports import eval_report_of, speed_text, stage1_counts
 from runfolder.shards import (
@@ -17,6 +17,7 @@ from runfolder.shards import (
 
 __all__ = [
     "SPLITS",
+    "TRAIN_RECORD",
     "RunFolder",
     "ShardWriter",
     "eval_report_of",
@@ -28,6 +29,8 @@ __all__ = [
     "read_manifest",
     "run_folder",
     "run_name_of",
+    "train_record",
+    "write_train_record",
     "shard_files",
     "speed_text",
     "stage1_counts",

@@ -12,8 +12,13 @@ place that spells the layout.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
+TRAIN_RECORD = "draftsmith_train.json"
+"""In every trained draft folder: its optimizer_steps, held-out figures before and after, tokens
+and seconds, and (train.keep=best) which step it was kept from."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,11 @@ class RunFolder:
     @property
     def features(self) -> Path:
         return self.root / "features"
+
+    @property
+    def features_manifest(self) -> Path:
+        """The features cache's identity and shard list (train.features)."""
+        return self.root / "features" / "manifest.json"
 
     @property
     def train(self) -> Path:
@@ -94,3 +104,13 @@ def run_name_of(draft_folder: str | Path) -> str | None:
     """The run name when a folder is some run's trained draft (<run>/train/draft), else None."""
     parts = Path(draft_folder).parts
     return parts[-3] if len(parts) >= 3 and parts[-2:] == ("train", "draft") else None
+
+
+def train_record(draft_folder: str | Path) -> dict | None:
+    """What a trained draft folder's TRAIN_RECORD says; None: not a finished draft."""
+    path = Path(draft_folder) / TRAIN_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_train_record(draft_folder: Path, record: dict) -> None:
+    (draft_folder / TRAIN_RECORD).write_text(json.dumps(record, indent=2) + "\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from drafts import DraftKind
 from recipe import Config
-from runfolder import eval_report_of, run_folder, speed_text, stage1_counts
+from runfolder import eval_report_of, run_folder, speed_text, stage1_counts, train_record
 
 
 def target_hub_id(cfg: Config) -> str | None:
@@ -28,8 +28,7 @@ def model_card(cfg: Config, kind: DraftKind, draft_folder: Path, tag: str, servi
     import yaml
 
     run = run_folder(cfg)
-    training_file = Path(draft_folder) / "draftsmith_train.json"
-    training = json.loads(training_file.read_text()) if training_file.is_file() else None
+    training = train_record(draft_folder)
     eval_report, counts = eval_report_of(run, draft_folder), stage1_counts(run)
     base = target_hub_id(cfg) or cfg.model.target
     lines = ["---", f"base_model: {base}", "tags:", "- speculative-decoding", f"- {tag}",

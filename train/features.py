@@ -122,7 +122,7 @@ def feature_cache(cfg: Config, target, fingerprint: str, examples: list[Example]
     tcfg = cfg.train
     folder = run_folder(cfg).features
     identity = _identity(fingerprint, aux_layers, tcfg.feature_dtype, examples)
-    manifest_path = folder / "manifest.json"
+    manifest_path = run_folder(cfg).features_manifest
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         differs = [f"{key}: cached {manifest.get(key)!r}, now {value!r}"

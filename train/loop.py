@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from decoding.acceptance import (
 from drafts import TargetHidden, check_train_config
 from drafts.vocabulary import logits_on_rows, vocabulary_line
 from recipe import Config, ConfigError, TrainConfig
-from runfolder import identity_differences, run_folder
+from runfolder import identity_differences, run_folder, train_record, write_train_record
 from train.data import (
     Batch,
     checkpoint_name,
@@ -60,6 +61,7 @@ from train.data import (
 )
 from train.divergences import divergence
 from train.features import FeatureCache, feature_cache, noisy_features, target_hidden
+from train.keep import BestDraft, draft_record
 from train.watch import Progress, Stopped, TermSignal, draw_curve, wandb_init_kwargs, wandb_mode
 
 # Config fields that may change between a checkpoint and its resume: they do not alter the
@@ -342,6 +344,11 @@ class _Log:
                 self.history = [e for e in lines if e["optimizer_step"] <= keep_until]
             path.write_text("".join(json.dumps(e) + "\n" for e in self.history))
 
+    def first_held_out(self) -> dict | None:
+        """The held-out figures logged at optimizer_step 0 (the draft before training)."""
+        return next((e["held_out"] for e in self.history
+                     if e["optimizer_step"] == 0 and "held_out" in e), None)
+
     def write(self, entry: dict) -> None:
         if not self.on:
             return
@@ -461,13 +468,91 @@ class TargetSignal:
             return hidden, target_logits(self.target, batch, hidden, self.rows)
 
 
+@dataclass
+class _Training:
+    """What one training run holds between its optimizer steps."""
+
+    cfg: Config
+    accelerator: Any
+    dist: Dist
+    state: TrainState
+    model: Any
+    optimizer: Any
+    target: Any
+    tokenizer: Any
+    data: Any
+    signal: TargetSignal
+    held_out: list[Batch]
+    log: _Log
+    progress: Progress
+    eos_ids: set[int]
+    pad_id: int
+    resumed_from: int | None
+
+    def save_draft(self, folder: Path, record: dict) -> None:
+        _save_draft(self.accelerator, self.dist, self.model, self.tokenizer, self.cfg, folder,
+                    record)
+
+    def held_out_eval(self) -> dict:
+        """Predicted acceptance on the held-out conversations, logged and drawn."""
+        tcfg = self.cfg.train
+        self.model.eval()
+        result = evaluate_held_out(self.model, self.target, self.held_out, tcfg,
+                                   self.accelerator.device, self.signal.hidden)
+        self.model.train()
+        walk = result["walk_tau"]
+        self.accelerator.print(
+            f"[train] optimizer_step {self.state.optimizer_step}: held-out loss "
+            f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) {result['tau']:.3f} sampled "
+            f"/ {result['greedy_tau']:.3f} greedy"
+            + (f" ({walk:.3f} as a greedy engine steps)" if walk is not None else "")
+            + f", alpha {result['alpha']}")
+        self.log.write({"optimizer_step": self.state.optimizer_step, "held_out": result})
+        if self.dist.is_main:
+            draw_curve(self.log.history, run_folder(self.cfg).train_curve, tcfg.best_by)
+        return result
+
+
 def train_draft(cfg: Config, accelerator) -> TrainSummary:
     """Train cfg.train.draft, of whatever kind, against the target on this run's stage-1 data;
     resumes from the last checkpoint and does not redo a finished draft."""
     run, tcfg = run_folder(cfg), cfg.train
-    out = run.train
-    if (run.draft / "draftsmith_train.json").is_file():
-        return _already_trained(run.draft, cfg, accelerator)
+    if (record := train_record(run.draft)) is not None:
+        return _already_trained(run.draft, record, cfg, accelerator)
+    t = _prepare(cfg, accelerator)
+    best = BestDraft(run, tcfg, t.dist, t.save_draft, fresh=t.state.optimizer_step == 0)
+    before = last_eval = t.held_out_eval() if t.state.optimizer_step == 0 else None
+    before = before or t.log.first_held_out()
+    with TermSignal() as term:
+        while t.state.optimizer_step < tcfg.max_steps:
+            entry = _train_step(t)
+            done = t.state.optimizer_step == tcfg.max_steps
+            if done or t.state.optimizer_step % tcfg.eval_every == 0:
+                last_eval = t.held_out_eval()
+                best.offer(draft_record(t.state, before, last_eval))
+            saved = None
+            if done or t.state.optimizer_step % tcfg.save_every == 0:
+                saved = _save_checkpoint(accelerator, t.dist, t.state, cfg)
+            if not done and t.dist.sum(float(term.requested)) > 0:  # all stop at the same step
+                folder = saved or _save_checkpoint(accelerator, t.dist, t.state, cfg)
+                raise Stopped(f"SIGTERM: stopped after optimizer_step {entry['optimizer_step']} "
+                              f"with its checkpoint saved ({folder}); the same command resumes "
+                              "from it.")
+    if last_eval is None:  # resumed at the very end
+        last_eval = t.held_out_eval()
+        best.offer(draft_record(t.state, before, last_eval))
+    after = best.finish(draft_record(t.state, before, last_eval))
+    for tracker in accelerator.trackers:  # not end_training(): it ends the process group
+        tracker.finish()
+    return TrainSummary(run.draft, t.state.optimizer_step, before, after, t.state.tokens,
+                        t.state.loss_tokens, t.state.train_seconds, t.resumed_from,
+                        t.log.history)
+
+
+def _prepare(cfg: Config, accelerator) -> _Training:
+    """Target, tokenizer, data, the draft under accelerate with its optimizer, resumed from the
+    last checkpoint, the tracker and the target's signal (offline features dumped first)."""
+    tcfg, run = cfg.train, run_folder(cfg)
     kind = check_train_config(tcfg)
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
@@ -476,7 +561,6 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         target = load_target(resolved, cfg.model.dtype, accelerator.device)
         torch.manual_seed(cfg.run.seed)  # the same initial draft on every process and every run
         draft = kind.build(tcfg, target, tokenizer, data.train, accelerator.print)
-    eos_ids, pad_id = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     kind.freeze(draft, tcfg)
     model = kind.wrap(_with_lora(draft, tcfg) if tcfg.lora_rank else draft, tcfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
@@ -488,12 +572,10 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
     accelerator.register_for_checkpointing(state)
     resumed_from = _resume(accelerator, run.checkpoints, cfg, state)
     if dist.is_main:
-        cfg.save(out / "config.yaml")
+        cfg.save(run.train / "config.yaml")
     _start_tracking(accelerator, dist, cfg)
     log = _Log(run.train_log, accelerator, dist, keep_until=state.optimizer_step)
-    progress = Progress(tcfg.max_steps, state.optimizer_step, cfg.tracking.progress_every_s,
-                        enabled=dist.is_main)
-    held_out = held_out_batches(data, cfg, pad_id)
+    pad_id = tokenizer.pad_token_id
     rows = getattr(_unwrap(model), "target_rows", None)  # [Vd] target ids of a draft vocabulary
     if rows is not None:
         vocab = target.get_output_embeddings().weight.shape[0]
@@ -503,86 +585,32 @@ def train_draft(cfg: Config, accelerator) -> TrainSummary:
         signal.features = feature_cache(cfg, target, resolved.fingerprint,
                                         data.train + data.held_out, signal.aux_layers, pad_id,
                                         dist.rank, dist.world, dist.barrier, accelerator.print)
-
-    if state.optimizer_step == 0:  # a fresh run: no best of an earlier one
-        if dist.is_main:
-            for folder in (run.best, run.last):
-                shutil.rmtree(folder, ignore_errors=True)
-        dist.barrier()
-    best = _best_so_far(run.best)
-
-    def held_out_eval() -> dict:
-        nonlocal best
-        model.eval()
-        result = evaluate_held_out(model, target, held_out, tcfg, accelerator.device,
-                                   signal.hidden)
-        model.train()
-        accelerator.print(f"[train] optimizer_step {state.optimizer_step}: held-out loss "
-                          f"{result['loss']:.4f}, predicted tau(k={tcfg.eval_k}) "
-                          f"{result['tau']:.3f} sampled / {result['greedy_tau']:.3f} greedy"
-                          + (f" ({result['walk_tau']:.3f} as a greedy engine steps)"
-                             if result["walk_tau"] is not None else "") + ", "
-                          f"alpha {result['alpha']}")
-        log.write({"optimizer_step": state.optimizer_step, "held_out": result})
-        if dist.is_main:
-            draw_curve(log.history, run.train_curve, tcfg.best_by)
-        figure = result[tcfg.best_by]
-        better = (tcfg.keep == "best" and state.optimizer_step > 0 and figure is not None and
-                  (best is None or best["after"].get(tcfg.best_by) is None
-                   or figure > best["after"][tcfg.best_by]))
-        if dist.sum(float(better and dist.is_main)) > 0:  # the main process decides for all
-            best = _draft_record(state, before, result)
-            _save_draft(accelerator, dist, model, tokenizer, cfg, run.best, best)
-        return result
-
-    before = last_eval = held_out_eval() if state.optimizer_step == 0 else None
-    before = before or next((e["held_out"] for e in log.history
-                             if e["optimizer_step"] == 0 and "held_out" in e), None)
-    with TermSignal() as term:
-        while state.optimizer_step < tcfg.max_steps:
-            started = time.perf_counter()
-            lr = learning_rate(tcfg, state.optimizer_step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batches = _step_batches(cfg, data, state.optimizer_step, dist, accelerator, model,
-                                    eos_ids, pad_id)
-            loss_sum, step_tokens, grad_norm = _optimizer_step(
-                cfg, accelerator, dist, model, optimizer, batches, signal, state)
-            entry = state.advance(dist, batches, loss_sum, step_tokens, lr, grad_norm, started)
-            log.write(entry)
-            progress.update(entry)
-            done = state.optimizer_step == tcfg.max_steps
-            if done or state.optimizer_step % tcfg.eval_every == 0:
-                last_eval = held_out_eval()
-            saved = None
-            if done or state.optimizer_step % tcfg.save_every == 0:
-                saved = _save_checkpoint(accelerator, dist, state, cfg)
-            if not done and dist.sum(float(term.requested)) > 0:  # all stop at the same step
-                folder = saved or _save_checkpoint(accelerator, dist, state, cfg)
-                raise Stopped(f"SIGTERM: stopped after optimizer_step {state.optimizer_step} "
-                              f"with its checkpoint saved ({folder}); the same command resumes "
-                              "from it.")
-    if last_eval is None:  # resumed at the very end
-        last_eval = held_out_eval()
-    summary = TrainSummary(run.draft, state.optimizer_step, before, last_eval, state.tokens,
-                           state.loss_tokens, state.train_seconds, resumed_from, log.history)
-    last = _draft_record(state, before, last_eval)
-    if best is not None and best["optimizer_steps"] != state.optimizer_step:
-        _save_draft(accelerator, dist, model, tokenizer, cfg, run.last, last)
-        summary.after = _keep_best(accelerator, dist, run, best, last, tcfg.best_by)
-    else:
-        _save_draft(accelerator, dist, model, tokenizer, cfg, run.draft, last)
-        if dist.is_main:
-            shutil.rmtree(run.best, ignore_errors=True)  # the same draft as train/draft
-    for tracker in accelerator.trackers:  # not end_training(): it ends the process group
-        tracker.finish()
-    return summary
+    progress = Progress(tcfg.max_steps, state.optimizer_step, cfg.tracking.progress_every_s,
+                        enabled=dist.is_main)
+    return _Training(cfg, accelerator, dist, state, model, optimizer, target, tokenizer, data,
+                     signal, held_out_batches(data, cfg, pad_id), log, progress,
+                     end_of_turn_ids(target, tokenizer), pad_id, resumed_from)
 
 
-def _already_trained(final: Path, cfg: Config, accelerator) -> TrainSummary:
+def _train_step(t: _Training) -> dict:
+    """One optimizer_step: its batches, forward and backward, the step, the log line."""
+    started = time.perf_counter()
+    lr = learning_rate(t.cfg.train, t.state.optimizer_step)
+    for group in t.optimizer.param_groups:
+        group["lr"] = lr
+    batches = _step_batches(t.cfg, t.data, t.state.optimizer_step, t.dist, t.accelerator,
+                            t.model, t.eos_ids, t.pad_id)
+    loss_sum, step_tokens, grad_norm = _optimizer_step(
+        t.cfg, t.accelerator, t.dist, t.model, t.optimizer, batches, t.signal, t.state)
+    entry = t.state.advance(t.dist, batches, loss_sum, step_tokens, lr, grad_norm, started)
+    t.log.write(entry)
+    t.progress.update(entry)
+    return entry
+
+
+def _already_trained(final: Path, done: dict, cfg: Config, accelerator) -> TrainSummary:
     _resume_check(final, cfg)
     accelerator.print(f"[train] {final} is already trained; not redoing it.")
-    done = json.loads((final / "draftsmith_train.json").read_text())
     return TrainSummary(final, done["optimizer_steps"], done["before"], done["after"],
                         done["tokens"], done["loss_tokens"], done["train_seconds"])
 
@@ -670,38 +698,6 @@ def _start_tracking(accelerator, dist: Dist, cfg: Config) -> None:
         accelerator.init_trackers(cfg.tracking.project, config=flat, init_kwargs=init)
 
 
-def _draft_record(state: TrainState, before: dict | None, after: dict) -> dict:
-    """What draftsmith_train.json says of a draft saved after state's optimizer_step."""
-    return {"optimizer_steps": state.optimizer_step, "before": before, "after": after,
-            "tokens": state.tokens, "loss_tokens": state.loss_tokens,
-            "train_seconds": state.train_seconds}
-
-
-def _best_so_far(folder: Path) -> dict | None:
-    """The record of the best draft an interrupted run saved (train/best), if any."""
-    record = folder / "draftsmith_train.json"
-    return json.loads(record.read_text()) if record.is_file() else None
-
-
-def _keep_best(accelerator, dist: Dist, run, best: dict, last: dict, best_by: str) -> dict:
-    """train/best becomes train/draft, its record naming the step it comes from and the last
-    step's figures (that draft is in train/last) -> the kept draft's held-out figures."""
-    if dist.is_main:
-        kept = {**best, "kept": {"by": best_by, "optimizer_step": best["optimizer_steps"],
-                                 "last_optimizer_step": last["optimizer_steps"],
-                                 "last": last["after"], "last_folder": str(run.last)}}
-        (run.best / "draftsmith_train.json").write_text(json.dumps(kept, indent=2) + "\n")
-        shutil.rmtree(run.draft, ignore_errors=True)
-        os.replace(run.best, run.draft)
-        accelerator.print(f"[train] train/draft holds the best draft by held-out {best_by} "
-                          f"({best['after'][best_by]:.3f}, optimizer_step "
-                          f"{best['optimizer_steps']}); the last step's "
-                          f"({last['after'][best_by]:.3f}, optimizer_step "
-                          f"{last['optimizer_steps']}) is in {run.last}")
-    dist.barrier()
-    return best["after"]
-
-
 def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config, final: Path,
                 record: dict) -> None:
     """The draft as an HF folder (LoRA merged) in final, with the resolved config and record."""
@@ -720,7 +716,7 @@ def _save_draft(accelerator, dist: Dist, model, tokenizer, cfg: Config, final: P
                                             for k, v in state_dict.items()})
     tokenizer.save_pretrained(tmp)
     cfg.save(tmp / "config.yaml")
-    (tmp / "draftsmith_train.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_train_record(tmp, record)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     accelerator.print(f"[train] draft saved to {final}")
