@@ -25,6 +25,80 @@ ON_REQUEST = ["validate"]  # stages that run only when named
 
 
 def main(argv: list[str] | None = None) -> int:
+    args, overrides = _arguments().parse_known_args(argv)
+    from recipe import ConfigError
+
+    try:
+        cfg = _checked_config(args.config, overrides, plan=args.plan)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.plan:
+        return _plan(cfg, args.accelerate_config, args.device)
+
+    from accelerate import Accelerator
+
+    from train import Stopped, TrainingDiverged, accelerator_kwargs
+
+    try:
+        accelerator = Accelerator(**accelerator_kwargs(cfg))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    _warn_if_starved(accelerator)
+    try:
+        status = pipeline(cfg, accelerator, args.stage)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 3
+    except Stopped as e:
+        print(f"[train] {e}", file=sys.stderr)
+        return 128 + 15  # as a process ended by SIGTERM: a scheduler requeues it
+    return _leave_process_group(status)
+
+
+def pipeline(cfg, accelerator, stage: str = "all") -> int:
+    """The stages, in order (stage: one of them alone) -> the exit status."""
+    from distill import run_distill
+    from eval.speculative import evaluate
+    from serving.export import export_draft
+    from serving.publish import publish_stage
+    from serving.validate import validate
+    from train import Dist, train_draft
+
+    stages = STAGES if stage == "all" else [stage]
+    if "distill" in stages:
+        run_distill(cfg, accelerator)
+    if "train" in stages:
+        train_draft(cfg, accelerator)
+    # the last collective: the other processes leave, so no barrier waits out the main
+    # process's own stages (hours of eval on a large target) against the group's timeout
+    accelerator.wait_for_everyone()
+    if not Dist.of(accelerator).is_main:
+        return 0
+    if "eval" in stages:  # one process measures speed
+        evaluate(cfg, accelerator.device)
+    if "export" in stages:
+        exported = export_draft(cfg, cfg.eval.k)
+        print(f"[export] {exported.folder}; serve with:\n  {exported.command}")
+    if "publish" in stages and (cfg.publish.repo_id or stage == "publish"):
+        publish_stage(cfg)
+    if "validate" in stages:
+        result = validate(cfg, device=accelerator.device)
+        print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
+              f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
+              f"{result.identical_engine_texts}/{result.prompts}")
+        if not result.ok:
+            print("error: the export does not reproduce the trained draft in vLLM:\n  "
+                  + "\n  ".join(result.failures), file=sys.stderr)
+            return 1
+    return 0
+
+
+def _arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. configs/*.yaml")
@@ -39,79 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None,
                         help="with --plan: h100-80gb, h200, a100-80gb, l40s or cpu (default: cpu "
                              "for a CPU accelerate config, else h100-80gb)")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
 
+
+def _checked_config(path: str, overrides: list[str], plan: bool):
+    """The recipe with its overrides, checked against its kind, its target and the engines
+    before any stage: a contradiction fails in seconds, not after stage 1."""
     from assets.prompts import check_data_packages
     from drafts import check_target_config, check_train_config
-    from recipe import ConfigError, load_config
+    from recipe import load_config
     from serving.engines import check_target_served
 
-    try:
-        cfg = load_config(args.config, overrides)
-        kind = check_train_config(cfg.train)
-        check_target_config(cfg, kind)
-        check_target_served(cfg, kind)
-        if not args.plan:  # the plan lists it among its problems
-            check_data_packages(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.plan:
-        return _plan(cfg, args.accelerate_config, args.device)
-
-    from accelerate import Accelerator
-
-    from distill import run_distill
-    from eval.speculative import evaluate
-    from serving.export import export_draft
-    from serving.publish import publish_stage
-    from serving.validate import validate
-    from train import Dist, Stopped, TrainingDiverged, accelerator_kwargs, train_draft
-
-    try:
-        accelerator = Accelerator(**accelerator_kwargs(cfg))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    _warn_if_starved(accelerator)
-    stages = STAGES if args.stage == "all" else [args.stage]
-    status = 0
-    try:
-        if "distill" in stages:
-            run_distill(cfg, accelerator)
-        if "train" in stages:
-            train_draft(cfg, accelerator)
-        # the last collective: the other processes leave, so no barrier waits out the main
-        # process's own stages (hours of eval on a large target) against the group's timeout
-        accelerator.wait_for_everyone()
-        if not Dist.of(accelerator).is_main:
-            return _leave_process_group(status)
-        if "eval" in stages:  # one process measures speed
-            evaluate(cfg, accelerator.device)
-        if "export" in stages:
-            exported = export_draft(cfg, cfg.eval.k)
-            print(f"[export] {exported.folder}; serve with:\n  {exported.command}")
-        if "publish" in stages and (cfg.publish.repo_id or args.stage == "publish"):
-            publish_stage(cfg)
-        if "validate" in stages:
-            result = validate(cfg, device=accelerator.device)
-            print(f"[validate] tau {result.tau_ours:.3f} in our engine, {result.tau_engine:.3f} in "
-                  f"vLLM ({result.method}); vLLM texts identical with and without the draft: "
-                  f"{result.identical_engine_texts}/{result.prompts}")
-            if not result.ok:
-                print("error: the export does not reproduce the trained draft in vLLM:\n  "
-                      + "\n  ".join(result.failures), file=sys.stderr)
-                status = 1
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"training stopped: {e}", file=sys.stderr)
-        return 3
-    except Stopped as e:
-        print(f"[train] {e}", file=sys.stderr)
-        return 128 + 15  # as a process ended by SIGTERM: a scheduler requeues it
-    return _leave_process_group(status)
+    cfg = load_config(path, overrides)
+    kind = check_train_config(cfg.train)
+    check_target_config(cfg, kind)
+    check_target_served(cfg, kind)
+    if not plan:  # the plan lists it among its problems
+        check_data_packages(cfg)
+    return cfg
 
 
 def _leave_process_group(status: int) -> int:
@@ -124,6 +143,15 @@ def _leave_process_group(status: int) -> int:
     return status
 
 
+def stage_estimates() -> list:
+    """What each stage says it will cost (plan.Sizing -> plan.StagePlan), in pipeline order."""
+    from distill.estimate import estimate as distill_estimate
+    from eval.estimate import estimate as eval_estimate
+    from train.estimate import estimate as train_estimate
+
+    return [distill_estimate, train_estimate, eval_estimate]
+
+
 def _plan(cfg, accelerate_config: str | None, device: str | None) -> int:
     from plan import DEVICES, make_plan
     from recipe import ConfigError
@@ -132,7 +160,7 @@ def _plan(cfg, accelerate_config: str | None, device: str | None) -> int:
         print(f"config error: --device {device!r}: one of {', '.join(DEVICES)}.", file=sys.stderr)
         return 2
     try:
-        plan = make_plan(cfg, accelerate_config, device)
+        plan = make_plan(cfg, stage_estimates(), accelerate_config, device)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

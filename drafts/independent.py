@@ -23,7 +23,7 @@ from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
 from drafts.fused import CompiledSteps
-from drafts.kind import LoadedDraft, Slot, TargetHidden
+from drafts.kind import LoadedDraft, Slot, TargetHidden, TrainingShape, micro_batch_tokens
 from drafts.slot_lm import FusedDecoder, SlotLM
 from drafts.vocabulary import DraftVocabulary, frequent_labels, logits_on_rows
 from recipe import ConfigError, TrainConfig
@@ -402,6 +402,8 @@ class Independent:
 
     name, description = "independent", "an independent draft model"
     train_keys = ("draft_vocab_size",)
+    target_layers, target_architecture = False, True
+    one_layer_draft = 'layer-truncated:1'
     formats = ("vllm",)
     hf_assistant, quantised_weights = True, True
     compiled_steps = True
@@ -454,6 +456,18 @@ class Independent:
             body = layers * layer_parameters(target_config, hidden=h, intermediate=4 * h)
         freeze = cfg.freeze_embeddings if cfg.freeze_embeddings is not None else kind != "fresh"
         return (body, embeddings) if freeze else (body + embeddings, 0)
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        types = draft_layer_types(spec, target_config)
+        if types:
+            return types
+        form, layers, _ = parse_spec(spec)
+        return ["full_attention"] * layers if form != "pretrained" else []
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        return TrainingShape(*self.parameters(cfg, target_config),
+                             cfg.draft_vocab_size or target_config["vocab_size"],
+                             micro_batch_tokens(cfg))
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         spec = cfg.draft

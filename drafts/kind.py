@@ -72,6 +72,14 @@ class DraftKind(Protocol):
     engines serve a kind, and how, each serving engine says (serving/engines/)."""
     hf_assistant: bool
     """transformers' assisted generation can run it (an LM of its own, no target features)."""
+    target_layers: bool
+    """Its draft reads the target's intermediate layers (EAGLE-3, DFlash): an engine serves it
+    only for targets that expose them, and its own layers attend in the standard way whatever
+    the target's attention is."""
+    target_architecture: bool
+    """Its draft is a model of the target's own architecture (independent, PARD)."""
+    one_layer_draft: str | None
+    """The train.draft of its one-layer draft, for messages; None: it has no layer count."""
     config_fields_ours: tuple[str, ...] = ()
     """Fields of its config.json that only draftsmith reads (the vLLM export's check that vLLM
     reads every field skips them)."""
@@ -104,7 +112,16 @@ class DraftKind(Protocol):
 
     def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
         """(trainable, frozen) parameters the draft holds for a target of this config.json, by
-        its shapes alone (what `distill.py --plan` counts memory with)."""
+        its shapes alone."""
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        """The attention type of each decoder layer of the draft train.draft=spec, read without
+        weights ('full_attention', 'sliding_attention', ...); [] where unknown (a named draft
+        not on disk) or none (Medusa heads)."""
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        """What training this draft for a target of this config.json holds and computes, by
+        shapes alone (what `distill.py --plan` sizes memory, disk and time with)."""
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples: list, log) -> nn.Module:
         """The initial trainable fp32 draft on the target's device (the loop seeds the RNG).
@@ -141,6 +158,43 @@ class DraftKind(Protocol):
 
     def check_exported(self, folder: Path) -> None:
         """Refuse an exported folder that a serving engine would misread, before it serves it."""
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """A kind's training, by its shapes: the planner's only source of what a kind costs."""
+
+    trainable: int
+    frozen: int
+    """Parameters (DraftKind.parameters)."""
+    draft_vocabulary: int
+    """Vd: the tokens the draft's head scores (train.draft_vocab_size; null: all V)."""
+    scored_rows: int
+    """Draft logit rows [M, Vd] one micro-batch (train.micro_batch_size x max_seq_len tokens)
+    scores at most."""
+    draft_passes: int = 1
+    """Forwards of the draft per training token (EAGLE-3: its training-time-test steps)."""
+    feature_bytes: int = 0
+    """Per token, what the target's offline features hold (train.target_features=offline);
+    0: the kind reads no features of the target."""
+
+
+def micro_batch_tokens(cfg: TrainConfig) -> int:
+    """Tokens of one full micro-batch: every one a loss row of an autoregressive draft."""
+    return cfg.micro_batch_size * cfg.max_seq_len
+
+
+def block_rows(cfg: TrainConfig) -> int:
+    """Loss rows of one micro-batch of a block drafter: block_starts blocks per conversation
+    (0: a block at every token), block_size positions each."""
+    starts = min(cfg.block_starts or cfg.max_seq_len, cfg.max_seq_len)
+    return cfg.micro_batch_size * starts * cfg.block_size
+
+
+def feature_bytes(hidden: int, aux_layers: int, feature_dtype: str) -> int:
+    """Offline features per token: the aux layers [aux_layers x H] and the post-norm last hidden
+    state [H], in train.feature_dtype (bfloat16 or float16: 2 bytes)."""
+    return (aux_layers + 1) * hidden * {"bfloat16": 2, "float16": 2}[feature_dtype]
 
 
 class TrainableDraft(Protocol):

@@ -25,8 +25,10 @@ from drafts.kind import (
     SameVocabulary,
     Slot,
     TargetHidden,
+    TrainingShape,
     chain_slots,
     check_head_decay,
+    micro_batch_tokens,
 )
 from recipe import ConfigError, TrainConfig
 
@@ -203,6 +205,8 @@ class Medusa:
 
     name, description, formats = "medusa", "Medusa heads", ("vllm",)
     train_keys = ("head_decay",)
+    target_layers, target_architecture = False, False
+    one_layer_draft = None
     hf_assistant, quantised_weights = False, False
     compiled_steps = False
 
@@ -247,6 +251,14 @@ class Medusa:
         h, v = target_config["hidden_size"], target_config["vocab_size"]
         blocks = heads * layers * h * h  # each head's residual blocks, then its own lm_head
         return (blocks, heads * v * h) if cfg.freeze_embeddings else (blocks + heads * v * h, 0)
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        return []  # residual blocks, no attention
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        heads, _ = self.shape(cfg.draft)
+        return TrainingShape(*self.parameters(cfg, target_config), target_config["vocab_size"],
+                             micro_batch_tokens(cfg) * heads)
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> MedusaHeads:
         heads = MedusaHeads.from_target(target, *self.shape(cfg.draft)).float()

@@ -35,6 +35,8 @@ from drafts.kind import (
     LoadedDraft,
     Slot,
     TargetHidden,
+    TrainingShape,
+    block_rows,
     chain_slots,
     check_blocks,
 )
@@ -141,6 +143,8 @@ class Pard:
     name, description = "pard", "a PARD parallel draft model"
     train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id",
                   "draft_vocab_size")
+    target_layers, target_architecture = False, True
+    one_layer_draft = 'pard:layer-truncated:1'
     formats = ("vllm",)
     config_fields_ours = ("pard_trained_k",)
     """Read by us, not by vLLM: the parallel positions trained (our export refuses a larger k;
@@ -177,6 +181,13 @@ class Pard:
 
     def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
         return Independent().parameters(self._inner(cfg), target_config)
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        return Independent().attention_layers(spec.removeprefix(PREFIX), target_config)
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        return TrainingShape(*self.parameters(cfg, target_config),
+                             cfg.draft_vocab_size or target_config["vocab_size"], block_rows(cfg))
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log):
         draft = Independent().build(self._inner(cfg), target, tokenizer, examples, log)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from decoding.ngram import ngram_continuation
-from drafts.kind import LoadedDraft
+from drafts.kind import LoadedDraft, TrainingShape
 from recipe import ConfigError, TrainConfig
 
 
@@ -56,6 +56,8 @@ class PromptLookup:
 
     name, description, formats = "prompt-lookup", "prompt lookup", ()
     train_keys = ()
+    target_layers, target_architecture = False, False
+    one_layer_draft = None
     hf_assistant, quantised_weights = False, False
     compiled_steps = False
 
@@ -75,6 +77,12 @@ class PromptLookup:
 
     def parameters(self, cfg, target_config) -> tuple[int, int]:
         return 0, 0
+
+    def attention_layers(self, spec, target_config) -> list[str]:
+        return []
+
+    def training_shape(self, cfg, target_config) -> TrainingShape:
+        return TrainingShape(0, 0, target_config["vocab_size"], 0)  # nothing to train
 
     def build(self, cfg, target, tokenizer, examples, log):
         self.check_train(cfg)

@@ -43,7 +43,7 @@ def argmax_acceptance(config: str, overrides: list[str], temperature: float) -> 
     prompts, _ = load_eval_prompts(cfg, tokenizer, None)
     draft = load_draft(str(run_folder(cfg).draft), target, tokenizer,
                        torch.float32, cpu)
-    if draft.kind.name != "independent":
+    if not draft.kind.hf_assistant:
         raise SystemExit(f"--config: {draft.name} is not an independent draft (the probe reads "
                          "a causal LM's logits on the sampled text).")
     eos = sorted(end_of_turn_ids(target, tokenizer))

@@ -531,9 +531,9 @@ class TrainConfig:
     draft_vocab_size: int | None = None
     """EAGLE-3, independent and PARD drafts: the draft vocabulary, the Vd most frequent tokens
     among the training labels, the only tokens the draft's head scores (its q is zero on the
-    rest, which verification keeps lossless); None: min(32000, V) for EAGLE-3, the whole
-    vocabulary for an LM draft (vLLM and llama.cpp serve an LM draft with its full head either
-    way)."""
+    rest, which verification keeps lossless); None: the whole vocabulary, for every kind
+    (EAGLE-3 recipes set 32000 or less; vLLM and llama.cpp serve an LM draft with its full head
+    either way)."""
     ttt_steps: int = 7
     """EAGLE-3 training-time test: draft steps unrolled per position, step j feeding the head
     its own output of step j-1."""

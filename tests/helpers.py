@@ -237,16 +237,31 @@ def tiny_overrides(tiny_target: Path, prompts: Path, out: Path) -> list[str]:
             "train.mixed_precision=no"]
 
 
-def run_recipe(argv: list) -> tuple[int, str, str]:
-    """distill.py's main(argv) in this process -> (exit code, stdout, stderr): what a launch of
-    the script gives, without paying for a new interpreter where a process proves nothing."""
-    import contextlib
+def entry_script():
+    """distill.py as a module (the distill package has its name)."""
     import importlib.util
-    import io
 
     spec = importlib.util.spec_from_file_location("distill_recipe", ROOT / "distill.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def plan_of(cfg, accelerate_config: str | None = None, device: str | None = None):
+    """The plan `distill.py --plan` makes of cfg: every stage's estimate, as the script names
+    them."""
+    from plan import make_plan
+
+    return make_plan(cfg, entry_script().stage_estimates(), accelerate_config, device)
+
+
+def run_recipe(argv: list) -> tuple[int, str, str]:
+    """distill.py's main(argv) in this process -> (exit code, stdout, stderr): what a launch of
+    the script gives, without paying for a new interpreter where a process proves nothing."""
+    import contextlib
+    import io
+
+    module = entry_script()
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

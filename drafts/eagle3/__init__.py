@@ -25,7 +25,14 @@ from drafts.eagle3.head import (
 )
 from drafts.eagle3.training import Eagle3ForTraining, unroll
 from drafts.folders import WEIGHTS_NAME, save_folder
-from drafts.kind import LoadedDraft, check_feature_noise, check_head_decay
+from drafts.kind import (
+    LoadedDraft,
+    TrainingShape,
+    check_feature_noise,
+    check_head_decay,
+    feature_bytes,
+    micro_batch_tokens,
+)
 from drafts.vocabulary import frequent_labels
 from recipe import ConfigError, TrainConfig
 
@@ -42,6 +49,8 @@ class Eagle3:
     name, description = "eagle3", "an EAGLE-3 head"
     train_keys = ("head_decay", "ttt_steps", "eagle_aux_layers", "draft_vocab_size",
                   "feature_noise", "head_init", "eagle_intermediate_size", "eagle_layers")
+    target_layers, target_architecture = True, False
+    one_layer_draft = None
     formats = ("vllm", "speculators")
     hf_assistant, quantised_weights = False, True
     compiled_steps = True
@@ -92,12 +101,27 @@ class Eagle3:
 
     def parameters(self, cfg: TrainConfig, target_config: dict) -> tuple[int, int]:
         h = target_config["hidden_size"]
-        head = (cfg.draft_vocab_size or target_config["vocab_size"]) * h
+        head = self.draft_vocabulary(cfg, target_config) * h
         body = (layer_parameters(target_config, input_width=2 * h,  # the first layer, and fc
                                  intermediate=cfg.eagle_intermediate_size) + 3 * h * h
                 + (cfg.eagle_layers - 1) * layer_parameters(
                     target_config, intermediate=cfg.eagle_intermediate_size))
         return (body, head) if cfg.freeze_embeddings else (body + head, 0)
+
+    def draft_vocabulary(self, cfg: TrainConfig, target_config: dict) -> int:
+        return cfg.draft_vocab_size or target_config["vocab_size"]
+
+    def attention_layers(self, spec: str, target_config: dict) -> list[str]:
+        return ["full_attention"]
+
+    def training_shape(self, cfg: TrainConfig, target_config: dict) -> TrainingShape:
+        layers = target_config["num_hidden_layers"]
+        aux = cfg.eagle_aux_layers or default_aux_layers(layers)
+        return TrainingShape(*self.parameters(cfg, target_config),
+                             self.draft_vocabulary(cfg, target_config),
+                             micro_batch_tokens(cfg) * cfg.ttt_steps, cfg.ttt_steps,
+                             feature_bytes(target_config["hidden_size"], len(aux),
+                                           cfg.feature_dtype))
 
     def build(self, cfg: TrainConfig, target, tokenizer, examples, log) -> Eagle3Head:
         """A fresh head: aux layers checked against the target, the draft vocabulary the
@@ -105,7 +129,7 @@ class Eagle3:
         layers = target.config.num_hidden_layers
         aux_layers = check_aux_layers(cfg.eagle_aux_layers or default_aux_layers(layers), layers)
         vocab_size = target.get_output_embeddings().weight.shape[0]
-        size = cfg.draft_vocab_size or min(32000, vocab_size)
+        size = self.draft_vocabulary(cfg, {"vocab_size": vocab_size})
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
         head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init or "random",
                                      cfg.eagle_intermediate_size, cfg.eagle_layers).float()

@@ -171,7 +171,8 @@ class LlamaCppEngine:
             raise ConfigError(f"--format gguf: {why} Export it with --format vllm.")
         layers = json.loads((Path(draft_folder) / "config.json").read_text()).get(
             "num_hidden_layers", 1)
-        if kind.name == "eagle3" and layers != 1:
+        outtype, spec_type = self.gguf_type, SPEC_TYPES[kind.name]
+        if spec_type == "draft-eagle3" and layers != 1:
             raise ConfigError(f"--format gguf: the EAGLE-3 head in {draft_folder} has {layers} "
                               f"decoder layers and llama.cpp {VERSION} builds EAGLE-3 heads of "
                               "one (its eagle3 graph asserts n_layer == 1). Export it with "
@@ -179,14 +180,13 @@ class LlamaCppEngine:
         resolved = resolve_target(cfg.model)
         kind.check_export(draft_folder, k, target_shape(resolved.path))
         out = Path(out or run_folder(cfg).export / f"{kind.name}-gguf")
-        outtype, spec_type = self.gguf_type, SPEC_TYPES[kind.name]
         with staged(out) as tmp:
             hf = tmp / "hf"
             shutil.copytree(draft_folder, hf)
             kind.write_export(draft_folder, hf, k, "vllm", target_hub_id(cfg) or resolved.path)
             target = target_gguf(cfg, outtype, log)
             draft = convert_to_gguf(hf, tmp / f"draft-{outtype}.gguf", outtype,
-                                    Path(resolved.path) if kind.name == "eagle3" else None,
+                                    Path(resolved.path) if spec_type == "draft-eagle3" else None,
                                     log=log)
             check_same_vocabulary(target, draft)
             shutil.rmtree(hf)

