@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -49,6 +50,30 @@ def topk_logprobs(model, input_ids: list[int], loss_mask: list[int], k: int):
     return indices.to(torch.int32).cpu(), values.cpu()
 
 
+class Generator(Protocol):
+    """A stage-1 backend: the target answering token-id prompts (transformers, vLLM, or
+    OpenAI-compatible servers: make_generator picks one)."""
+
+    model: Any
+    """The target's transformers model where top-k log-probs are computed locally; None where
+    the backend holds no such copy."""
+    eos_ids: set[int]
+    """The target's end-of-turn ids: a reply ends at one of them."""
+
+    def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
+        """One reply per prompt, sampled with its seed (greedy when generation.temperature=0)."""
+
+    def after_batch(self) -> None:
+        """Checks after each written batch (a server's text-only replies re-tokenized);
+        raises to stop stage 1 with what is written kept."""
+
+    def report(self) -> str | None:
+        """What the backend did, for the log at the end of stage 1; None: nothing to add."""
+
+    def close(self) -> None:
+        """Free the engine (its process, its GPU memory) now."""
+
+
 class HFGenerator:
     """The target in transformers: generate() on left-padded batches."""
 
@@ -58,6 +83,12 @@ class HFGenerator:
 
     def replies(self, prompts: list[list[int]], seeds: list[int]) -> list[Reply]:
         return generate_replies(self.model, prompts, self.gen, self.eos_ids, self.pad_id, seeds)
+
+    def after_batch(self) -> None:
+        pass
+
+    def report(self) -> str | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -108,6 +139,12 @@ class VLLMGenerator:
             replies.append(Reply(ids, finished))
         return replies
 
+    def after_batch(self) -> None:
+        pass
+
+    def report(self) -> str | None:
+        return None
+
     def close(self) -> None:
         """Stop vLLM's engine process now rather than at interpreter exit."""
         self.llm.llm_engine.engine_core.shutdown()
@@ -145,7 +182,7 @@ def resolve_generation(gen: GenerationConfig) -> GenerationConfig:
     return dataclasses.replace(gen, backend=backend, batch_size=batch_size)
 
 
-def make_generator(target, tokenizer, cfg, device, gpus: tuple[str, ...] = ()):
+def make_generator(target, tokenizer, cfg, device, gpus: tuple[str, ...] = ()) -> Generator:
     """generation.backend -> the generator stage 1 runs (the transformers model is loaded for
     the 'hf' backend, and for 'vllm' only when top-k log-probs are stored); gpus: the vLLM
     engine's (distill.placement)."""

@@ -181,6 +181,12 @@ class OpenAIGenerator:
                 "Serve the target with vLLM or serving.server (they return token ids), or raise "
                 "the limit knowingly. Every whole batch written is kept.")
 
+    def after_batch(self) -> None:
+        self.check_retokenized()
+
+    def report(self) -> str | None:
+        return f"servers: {self.stats}"
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.client.close()

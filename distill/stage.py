@@ -78,20 +78,10 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
     tokenizer = load_tokenizer(target, cfg.model.chat_template_kwargs)
     identity = _identity(cfg, target, tokenizer)
 
-    manifest = read_manifest(out)
-    if manifest is not None and shard_files(data_dir):
-        diffs = identity_differences(manifest["identity"], identity)
-        if diffs:
-            raise OutputMismatchError(
-                f"{out} holds stage-1 data made with other settings; refusing to mix them:\n  "
-                + "\n  ".join(diffs) + "\nChoose another run.output_dir (or run.name), or "
-                "delete that folder to start over. Nothing was changed.")
-        if manifest["status"] == "complete":
-            log(f"[distill] {out} is already complete ({_describe(manifest)}); not redoing it.")
-            return DistillSummary(out, manifest, 0)
-    elif manifest is None and shard_files(data_dir):
-        raise OutputMismatchError(f"{data_dir} holds shards but no manifest.json, so their "
-                                  "origin is unknown: choose another run.output_dir or delete it.")
+    manifest = _existing_manifest(out, identity)
+    if manifest is not None and manifest["status"] == "complete":
+        log(f"[distill] {out} is already complete ({_describe(manifest)}); not redoing it.")
+        return DistillSummary(out, manifest, 0)
 
     conversations, source_stats = select_prompts(cfg.data, cfg.run.seed)
     for st in source_stats:
@@ -127,39 +117,63 @@ def run_distill(cfg: Config, accelerator) -> DistillSummary:
         f"{pending} to generate), {sum(skipped.values())} skipped {dict(skipped)}; "
         f"writing to {data_dir} with the {cfg.generation.backend} backend, batch {batch_size}")
 
-    generated_now, tokens, elapsed = 0, 0, 0.0
-    if batches:
-        generator = make_generator(target, tokenizer, cfg, accelerator.device, slot.gpus)
-        writer = ShardWriter(data_dir, accelerator.process_index, cfg.data.shard_size,
-                             cfg.generation.top_k_logprobs)
-        bar = tqdm(total=sum(map(len, batches)), unit="conv", desc="distill",
-                   disable=not accelerator.is_local_main_process)
-        start, tokens = time.perf_counter(), 0
-        for batch in batches:
-            for row in _generate_batch(generator, tokenizer, batch, cfg, limit):
-                if row["id"] not in done:
-                    writer.add(row)
-                    tokens += row["generated_tokens"]
-                    generated_now += 1
-            writer.end_batch()  # shards hold whole batches: a kill leaves no batch half-written
-            if hasattr(generator, "check_retokenized"):  # text-only servers: ids re-tokenized
-                generator.check_retokenized()
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
-        writer.close()
-        generator.close()
-        if hasattr(generator, "stats"):
-            log(f"[distill] servers: {generator.stats}")
-        bar.close()
-        elapsed = time.perf_counter() - start
-        log(f"[distill] generated {tokens} tokens for {generated_now} conversations in "
-            f"{elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s, {cfg.generation.backend} backend, "
-            f"process {accelerator.process_index})")
-
+    generated_now, tokens, elapsed = (
+        _generate(batches, done, target, tokenizer, cfg, limit, slot, accelerator)
+        if batches else (0, 0, 0.0))
     accelerator.wait_for_everyone()
     manifest = _close_manifest(out, identity, jobs, skipped, source_stats, accelerator)
     log(f"[distill] complete: {_describe(manifest)}")
     return DistillSummary(out, manifest, generated_now, tokens, elapsed)
+
+
+def _existing_manifest(out: Path, identity: dict) -> dict | None:
+    """The manifest of stage-1 data already in out, refused when made with other settings or
+    of unknown origin (shards without a manifest)."""
+    manifest, data_dir = read_manifest(out), RunFolder(out).data
+    if manifest is None and shard_files(data_dir):
+        raise OutputMismatchError(f"{data_dir} holds shards but no manifest.json, so their "
+                                  "origin is unknown: choose another run.output_dir or delete it.")
+    if manifest is not None and shard_files(data_dir):
+        diffs = identity_differences(manifest["identity"], identity)
+        if diffs:
+            raise OutputMismatchError(
+                f"{out} holds stage-1 data made with other settings; refusing to mix them:\n  "
+                + "\n  ".join(diffs) + "\nChoose another run.output_dir (or run.name), or "
+                "delete that folder to start over. Nothing was changed.")
+        return manifest
+    return None
+
+
+def _generate(batches: list[list[Job]], done: set[str], target, tokenizer, cfg: Config,
+              limit: int, slot: EngineSlot, accelerator) -> tuple[int, int, float]:
+    """This process's batches through its generator into its shards -> (conversations
+    written, tokens generated, seconds)."""
+    generator = make_generator(target, tokenizer, cfg, accelerator.device, slot.gpus)
+    writer = ShardWriter(RunFolder(cfg.run.output_path).data, accelerator.process_index,
+                         cfg.data.shard_size, cfg.generation.top_k_logprobs)
+    bar = tqdm(total=sum(map(len, batches)), unit="conv", desc="distill",
+               disable=not accelerator.is_local_main_process)
+    start, tokens, written = time.perf_counter(), 0, 0
+    for batch in batches:
+        for row in _generate_batch(generator, tokenizer, batch, cfg, limit):
+            if row["id"] not in done:
+                writer.add(row)
+                tokens += row["generated_tokens"]
+                written += 1
+        writer.end_batch()  # shards hold whole batches: a kill leaves no batch half-written
+        generator.after_batch()
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    writer.close()
+    generator.close()
+    if report := generator.report():
+        accelerator.print(f"[distill] {report}")
+    bar.close()
+    elapsed = time.perf_counter() - start
+    accelerator.print(f"[distill] generated {tokens} tokens for {written} conversations in "
+                      f"{elapsed:.1f} s ({tokens / elapsed:.1f} tokens/s, "
+                      f"{cfg.generation.backend} backend, process {accelerator.process_index})")
+    return written, tokens, elapsed
 
 
 def _identity(cfg: Config, target, tokenizer) -> dict:

@@ -18,6 +18,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -276,13 +277,64 @@ def pack_target(target, ev: EvalConfig) -> bool:
     return True
 
 
+@dataclass
+class _Methods:
+    """What eval.methods run on: the target, the draft, eval.compare_drafts' drafts (by label),
+    prompt lookup."""
+
+    ev: Any
+    seed: int
+    target: Any
+    tokenizer: Any
+    draft: Any
+    others: dict
+    lookup: Any
+    eos: set[int]
+    pad: int
+
+    def runners(self, settings: DecodeSettings) -> dict[str, tuple[Runner, bool]]:
+        """method -> (its runner, whether it drafts), fresh drafts and generators; each drafted
+        method of our engine once per eval.modes, in eval.methods' order."""
+        ev, made = self.ev, {}
+        for mode in ev.modes:
+            moded = dataclasses.replace(settings, tree=mode != "chain",
+                                        ngram_branch=mode == "hybrid",
+                                        tree_paths=ev.tree_paths if mode != "chain" else [],
+                                        tree_nodes=ev.tree_nodes if mode != "chain" else 0)
+            suffix = "" if mode == "chain" else f"+{mode}"
+            if "speculative" in ev.methods:
+                made["speculative" + suffix] = self._engine(moded, engine_draft(self.draft))
+                for label, other in self.others.items():
+                    made[label + suffix] = self._engine(moded, engine_draft(other))
+            if "prompt_lookup" in ev.methods and mode == "chain":
+                # a tree adds nothing to it: it ranks no alternatives, and its n-gram branch
+                # is its own chain
+                made["prompt_lookup"] = self._engine(
+                    settings, engine_draft(self.lookup, "prompt lookup"))
+        target, eos, pad, tokenizer = self.target, self.eos, self.pad, self.tokenizer
+        for method in ev.methods:
+            if method == "target":
+                made[method] = self._engine(settings, None)
+            elif method == "hf_generate":
+                made[method] = hf_runner(target, settings, eos, pad, tokenizer), False
+            elif method == "hf_assisted" and self.draft.kind.hf_assistant:
+                made[method] = hf_runner(target, settings, eos, pad, tokenizer,
+                                         assistant=self.draft.model), False
+        in_order = sorted(made, key=lambda name: EVAL_METHODS.index(
+            name.split(":")[0].split("+")[0]))  # eval.methods' order, modes inside
+        return {name: made[name] for name in in_order}
+
+    def _engine(self, settings: DecodeSettings, draft) -> tuple[Runner, bool]:
+        return engine_runner(self.target, settings, self.eos, self.pad, self.tokenizer, draft,
+                             self.seed), draft is not None
+
+
 def evaluate(cfg: Config, device: torch.device) -> dict:
     """Run every configured method on the eval prompts; write the report; return the results."""
     ev = cfg.eval
     resolved, tokenizer, target, draft = _load(cfg, device)
     prompts, skipped = load_eval_prompts(cfg, tokenizer,
                                          getattr(target.config, "max_position_embeddings", None))
-    eos, pad = end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id
     others = {}  # eval.compare_drafts, loaded and checked before anything runs
     for spec in ev.compare_drafts:
         other = load_draft(spec, target, tokenizer, target.dtype, device, ev.draft_weights,
@@ -291,51 +343,17 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         others[f"speculative:{draft_label(spec)}"] = other
     lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
     packed = pack_target(target, ev)
-
-    def runners(settings: DecodeSettings) -> dict[str, tuple[Runner, bool]]:
-        """method -> (its runner, whether it drafts), fresh drafts and generators; each drafted
-        method of our engine once per eval.modes."""
-        made = {}
-        for mode in ev.modes:
-            moded = dataclasses.replace(settings, tree=mode != "chain",
-                                        ngram_branch=mode == "hybrid",
-                                        tree_paths=ev.tree_paths if mode != "chain" else [],
-                                        tree_nodes=ev.tree_nodes if mode != "chain" else 0)
-            suffix = "" if mode == "chain" else f"+{mode}"
-            if "speculative" in ev.methods:
-                made["speculative" + suffix] = engine_runner(
-                    target, moded, eos, pad, tokenizer, engine_draft(draft), cfg.run.seed), True
-                for label, other in others.items():
-                    made[label + suffix] = engine_runner(target, moded, eos, pad, tokenizer,
-                                                         engine_draft(other), cfg.run.seed), True
-            if "prompt_lookup" in ev.methods and mode == "chain":
-                # a tree adds nothing to it: it ranks no alternatives, and its n-gram branch
-                # is its own chain
-                made["prompt_lookup"] = engine_runner(target, settings, eos, pad, tokenizer,
-                                                      engine_draft(lookup, "prompt lookup"),
-                                                      cfg.run.seed), True
-        for method in ev.methods:
-            if method == "target":
-                made[method] = engine_runner(target, settings, eos, pad, tokenizer, None,
-                                             cfg.run.seed), False
-            elif method == "hf_generate":
-                made[method] = hf_runner(target, settings, eos, pad, tokenizer), False
-            elif method == "hf_assisted" and draft.kind.hf_assistant:
-                made[method] = hf_runner(target, settings, eos, pad, tokenizer,
-                                         assistant=draft.model), False
-        in_order = sorted(made, key=lambda name: EVAL_METHODS.index(
-            name.split(":")[0].split("+")[0]))  # eval.methods' order, modes inside
-        return {name: made[name] for name in in_order}
-
+    methods = _Methods(ev, cfg.run.seed, target, tokenizer, draft, others, lookup,
+                       end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id)
     if "hf_assisted" in ev.methods and not draft.kind.hf_assistant:
         print(f"[eval] hf_assisted skipped: transformers' assisted generation runs an "
               f"independent draft LM, not {draft.kind.description}.")
     torch.manual_seed(cfg.run.seed)  # transformers' sampling draws from the global RNG
     # warm-up: every method once on a short request, so none pays one-off costs in the timing
-    warm = runners(dataclasses.replace(ev.decoding, max_new_tokens=8))
+    warm = methods.runners(dataclasses.replace(ev.decoding, max_new_tokens=8))
     measure({name: runner for name, (runner, _) in warm.items()}, [prompts[:1]],
             log=lambda *a, **k: None)
-    made = runners(ev.decoding)
+    made = methods.runners(ev.decoding)
     rounds = [prompts[b : b + ev.batch_size] for b in range(0, len(prompts), ev.batch_size)]
     print(f"[eval] {', '.join(made)} on {len(prompts)} prompts, interleaved over {len(rounds)} "
           f"rounds of {ev.batch_size} ...", flush=True)

@@ -104,26 +104,7 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
     if _number(body, "n", int, 1, 1, 1) != 1:
         raise HTTPError(400, "'n' must be 1.")
     tokenizer = served.tokenizer
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise HTTPError(400, "'messages' must be a non-empty list of {role, content} objects "
-                                 "with string content.")
-        prompt = render(tokenizer, [{"role": m["role"], "content": m["content"]}
-                                    for m in messages], add_generation_prompt=True)
-    else:
-        text = body.get("prompt")
-        if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in text):
-            prompt = list(text)
-            if max(prompt) >= len(tokenizer) or min(prompt) < 0:
-                raise HTTPError(400, f"'prompt' holds token ids outside [0, {len(tokenizer)}).")
-        elif isinstance(text, str) and text:
-            prompt = tokenizer(text, add_special_tokens=True)["input_ids"]
-        else:
-            raise HTTPError(400, "'prompt' must be a non-empty string or a list of token ids.")
+    prompt = _prompt(body, chat, tokenizer)
     max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body
                          else "max_tokens", int, 1, limits.max_tokens,
                          min(served.decoding.max_new_tokens, limits.max_tokens))
@@ -154,6 +135,56 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
                              f"end-of-turn tokens {sorted(served.eos)} only; name some of those "
                              "or leave the field out.")
 
+    name, k = _draft_and_k(body, served, limits)
+    base = served.decoding
+    try:
+        settings = replace(base, max_new_tokens=max_tokens, temperature=temperature,
+                           top_p=top_p if temperature > 0 else 1.0,
+                           top_k=top_k if temperature > 0 else 0, k=max(k, 1),
+                           k_max=max(k, 1), adaptive_k=base.adaptive_k and k > 1,
+                           draft_temperature=None)
+        if settings.adaptive_k:
+            settings = replace(settings, k=min(base.k, k))
+    except ConfigError as e:
+        raise HTTPError(400, str(e)) from None
+    depth = k if name else 0
+    if served.context is not None and len(prompt) + max_tokens + depth > served.context:
+        raise HTTPError(400, f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + "
+                             f"{depth} draft positions exceed the model's context of "
+                             f"{served.context}: shorten the prompt or lower max_tokens.")
+    job = Job(prompt, settings, name, seed, stops, loop, asyncio.Queue(),
+              return_token_ids=return_ids)
+    return job, stream, {"include_usage": bool(options.get("include_usage"))}
+
+
+def _prompt(body: dict, chat: bool, tokenizer) -> list[int]:
+    """The request's prompt as token ids: chat messages rendered in the target's template, a
+    completion's text tokenized, or its token ids checked against the vocabulary."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise HTTPError(400, "'messages' must be a non-empty list of {role, content} objects "
+                                 "with string content.")
+        prompt = render(tokenizer, [{"role": m["role"], "content": m["content"]}
+                                    for m in messages], add_generation_prompt=True)
+    else:
+        text = body.get("prompt")
+        if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in text):
+            prompt = list(text)
+            if max(prompt) >= len(tokenizer) or min(prompt) < 0:
+                raise HTTPError(400, f"'prompt' holds token ids outside [0, {len(tokenizer)}).")
+        elif isinstance(text, str) and text:
+            prompt = tokenizer(text, add_special_tokens=True)["input_ids"]
+        else:
+            raise HTTPError(400, "'prompt' must be a non-empty string or a list of token ids.")
+    return prompt
+
+
+def _draft_and_k(body: dict, served: Served, limits: Limits) -> tuple[str | None, int]:
+    """The draft a request speculates with (None: plain decoding) and its k."""
     name = body.get("draft_model")
     # on when a draft is named or the server has a trained one, unless the request says off
     speculate = body.get("speculative_decoding",
@@ -178,22 +209,4 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
     if loaded is not None and loaded.max_k is not None and k > loaded.max_k:
         raise HTTPError(400, f"max_speculative_tokens={k}, but draft {name!r} has {loaded.max_k}"
                              f" {loaded.max_k_unit}: ask for at most {loaded.max_k}.")
-    base = served.decoding
-    try:
-        settings = replace(base, max_new_tokens=max_tokens, temperature=temperature,
-                           top_p=top_p if temperature > 0 else 1.0,
-                           top_k=top_k if temperature > 0 else 0, k=max(k, 1),
-                           k_max=max(k, 1), adaptive_k=base.adaptive_k and k > 1,
-                           draft_temperature=None)
-        if settings.adaptive_k:
-            settings = replace(settings, k=min(base.k, k))
-    except ConfigError as e:
-        raise HTTPError(400, str(e)) from None
-    depth = k if name else 0
-    if served.context is not None and len(prompt) + max_tokens + depth > served.context:
-        raise HTTPError(400, f"the prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + "
-                             f"{depth} draft positions exceed the model's context of "
-                             f"{served.context}: shorten the prompt or lower max_tokens.")
-    job = Job(prompt, settings, name, seed, stops, loop, asyncio.Queue(),
-              return_token_ids=return_ids)
-    return job, stream, {"include_usage": bool(options.get("include_usage"))}
+    return name, k

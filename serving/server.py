@@ -108,54 +108,53 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
                                             "created": 0, "owned_by": "draftsmith",
                                             "drafts": sorted(served.drafts)}]}
 
-    async def complete(request: Request, chat: bool):
-        raw = await request.body()
-        if len(raw) > limits.max_body_bytes:
-            raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the request body is not valid JSON ({e}).") from None
-        job, stream, options = parse_job(body, chat, served, limits, asyncio.get_running_loop())
-        if not scheduler.submit(job):
-            raise HTTPError(429, f"the server is busy ({limits.max_queue} requests waiting or "
-                                 "running): retry after a second.", "rate_limit_error",
-                            {"Retry-After": "1"})
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        shape = _Shape(rid, created, served.model_id, chat, len(job.prompt),
-                       job.return_token_ids)
-        if stream:
-            return StreamingResponse(_stream(job, shape, options["include_usage"]),
-                                     media_type="text/event-stream")
-        try:
-            parts = []
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled = True
-                        return Response(status_code=499)
-                    continue
-                if kind == "text":
-                    parts.append(value)
-                elif kind == "error":
-                    raise HTTPError(500, value, "server_error")
-                else:
-                    return shape.whole(value)
-        finally:
-            job.cancelled = True  # no-op once finished; frees the slot if we leave early
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await complete(request, chat=True)
+        return await _complete(request, True, served, limits, scheduler)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await complete(request, chat=False)
+        return await _complete(request, False, served, limits, scheduler)
 
     return app
+
+
+async def _complete(request: Request, chat: bool, served: Served, limits: Limits,
+                    scheduler: Scheduler):
+    """A completion request: parsed, queued, then streamed or answered whole."""
+    raw = await request.body()
+    if len(raw) > limits.max_body_bytes:
+        raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON ({e}).") from None
+    job, stream, options = parse_job(body, chat, served, limits, asyncio.get_running_loop())
+    if not scheduler.submit(job):
+        raise HTTPError(429, f"the server is busy ({limits.max_queue} requests waiting or "
+                             "running): retry after a second.", "rate_limit_error",
+                        {"Retry-After": "1"})
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    shape = _Shape(rid, int(time.time()), served.model_id, chat, len(job.prompt),
+                   job.return_token_ids)
+    if stream:
+        return StreamingResponse(_stream(job, shape, options["include_usage"]),
+                                 media_type="text/event-stream")
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                    return Response(status_code=499)
+                continue
+            if kind == "error":
+                raise HTTPError(500, value, "server_error")
+            if kind != "text":
+                return shape.whole(value)
+    finally:
+        job.cancelled = True  # no-op once finished; frees the slot if we leave early
 
 
 @dataclass

@@ -392,9 +392,7 @@ def _drafting(draft_temperature: float | None, temperature: float) -> str:
     return f"T={temperature if draft_temperature is None else draft_temperature}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from recipe import load_config
-
+def _arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -424,7 +422,13 @@ def main(argv: list[str] | None = None) -> int:
                              "temperatures uninitialised; serving/engines/vllm_worker.py)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile: starts in ~25 s instead of ~100 s")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from recipe import load_config
+
+    args, overrides = _arguments().parse_known_args(argv)
     options = {"vllm": {"enforce_eager": args.enforce_eager, "as_shipped": args.vllm_as_shipped},
                "llamacpp": {"draft_sampling": args.llamacpp_draft_sampling}}[args.engine]
     try:
@@ -440,28 +444,7 @@ def main(argv: list[str] | None = None) -> int:
           f"| our engine | {r.tau_ours:.3f} | {' '.join(f'{a:.3f}' for a in r.alpha_ours)} |\n"
           f"| {r.engine} ({r.method}) | {r.tau_engine:.3f} | "
           f"{' '.join(f'{a:.3f}' for a in r.alpha_engine)} |")
-    report = json.loads(results_path(cfg, engine).read_text())
-    if args.temperature > 0:
-        lo, hi = report["intervals"]["ours"]
-        elo, ehi = report["intervals"]["engine"]
-        ours_t, engine_t = report["draft_temperature_ours"], report["draft_temperature_engine"]
-        print(f"T={args.temperature}: tau 95 % intervals: ours [{lo:.3f}, {hi:.3f}] over "
-              f"{report['steps_ours']} steps, {r.engine} [{elo:.3f}, {ehi:.3f}] over "
-              f"{r.drafts_engine} (design effect {report['design_effect']:.2f}); drafts "
-              f"proposed at {_drafting(ours_t, args.temperature)} in ours, "
-              f"{_drafting(engine_t, args.temperature)} in {r.engine} ({report['drafting']})")
-        if report.get("note"):
-            print(report["note"])
-    else:
-        print(f"{r.engine} texts with the draft identical to without: "
-              f"{r.identical_engine_texts}/{r.prompts}"
-              + (f" ({len(report['numerical_ties'])} more at a numerical tie)"
-                 if report["numerical_ties"] else "")
-              + f"; to our engine's: {r.identical_to_our_engine}/{r.prompts}; {r.engine} "
-              f"tokens/s {r.tokens_per_s_engine:.1f} with the draft, "
-              f"{r.tokens_per_s_engine_target:.1f} without"
-              + (" (the target-alone run reused from an earlier validation)"
-                 if r.target_run_reused else ""))
+    _print_agreement(r, json.loads(results_path(cfg, engine).read_text()), args.temperature)
     if not r.ok:
         what = ("the exported folder or its method does not reproduce the trained draft" if
                 args.temperature == 0 else "sampled acceptance differs (if the greedy check of "
@@ -478,6 +461,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"OK: tau within {100 * r.relative_difference:.2f} % and every alpha_k within "
               f"{r.tolerance} of ours, {r.engine}'s texts {kept}")
     return 0
+
+
+def _print_agreement(r, report: dict, temperature: float) -> None:
+    """The sampled intervals, or the greedy texts and speeds, of a validation r."""
+    if temperature > 0:
+        lo, hi = report["intervals"]["ours"]
+        elo, ehi = report["intervals"]["engine"]
+        ours_t, engine_t = report["draft_temperature_ours"], report["draft_temperature_engine"]
+        print(f"T={temperature}: tau 95 % intervals: ours [{lo:.3f}, {hi:.3f}] over "
+              f"{report['steps_ours']} steps, {r.engine} [{elo:.3f}, {ehi:.3f}] over "
+              f"{r.drafts_engine} (design effect {report['design_effect']:.2f}); drafts "
+              f"proposed at {_drafting(ours_t, temperature)} in ours, "
+              f"{_drafting(engine_t, temperature)} in {r.engine} ({report['drafting']})")
+        if report.get("note"):
+            print(report["note"])
+    else:
+        print(f"{r.engine} texts with the draft identical to without: "
+              f"{r.identical_engine_texts}/{r.prompts}"
+              + (f" ({len(report['numerical_ties'])} more at a numerical tie)"
+                 if report["numerical_ties"] else "")
+              + f"; to our engine's: {r.identical_to_our_engine}/{r.prompts}; {r.engine} "
+              f"tokens/s {r.tokens_per_s_engine:.1f} with the draft, "
+              f"{r.tokens_per_s_engine_target:.1f} without"
+              + (" (the target-alone run reused from an earlier validation)"
+                 if r.target_run_reused else ""))
 
 
 if __name__ == "__main__":
