@@ -91,7 +91,7 @@ def features(cfg) -> None:
     tokenizer = load_tokenizer(target_ref)
     data = load_stage1(cfg, target_ref.fingerprint)
     examples = data.train + data.held_out
-    aux = cfg.train.eagle_aux_layers or default_aux_layers(target.config.num_hidden_layers)
+    aux = cfg.train.aux_layers or default_aux_layers(target.config.num_hidden_layers)
     shutil.rmtree(run_folder(cfg).features, ignore_errors=True)
     start = time.perf_counter()
     feature_cache(cfg, target, target_ref.fingerprint, examples, aux, tokenizer.pad_token_id,

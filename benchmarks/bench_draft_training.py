@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+
 from runfolder.paths import RunFolder
 
 

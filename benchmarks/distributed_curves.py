@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from runfolder.paths import RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent

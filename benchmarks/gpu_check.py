@@ -55,7 +55,7 @@ and Llama-3.2-1B's."""
 TRAIN_KINDS = {
     "independent": ["train.draft=layer-truncated:1"],
     "medusa": ["train.draft=medusa:3x1"],
-    "eagle3": ["train.draft=eagle3", "train.ttt_steps=3"],
+    "eagle3": ["train.draft=eagle3", "train.eagle3.ttt_steps=3"],
     "dflash": ["train.draft=dflash", "train.block_size=3"],
     "pard": ["train.draft=pard:layer-truncated:1", "train.block_size=3", "train.block_starts=4"],
 }
@@ -69,7 +69,7 @@ def kind_overrides(kind: str, target_config) -> list[str]:
     extra = []
     if kind in ("eagle3", "dflash") and layers < 6:
         aux = [0, layers // 2, layers - 1] if kind == "eagle3" else [layers - 1]
-        extra.append(f"train.eagle_aux_layers=[{','.join(map(str, aux))}]")
+        extra.append(f"train.aux_layers=[{','.join(map(str, aux))}]")
     if kind == "eagle3":
         extra.append(f"train.draft_vocab_size={min(8192, vocab // 2)}")
     if kind in ("dflash", "pard"):  # the last id: training_examples never writes it
@@ -129,7 +129,7 @@ def training_steps(kind_overrides: list[str], target, examples: list, accelerato
     "seconds" (after the first step), "tokens" (per step)}."""
     from recipe import load_config
     from train.data import collate
-    from train.loop import TargetSignal, _unwrap, check_train_config, slot_loss
+    from train.loop import TargetSignal, _unwrap, check_train_config, weighted_loss
 
     cfg = load_config(ROOT / "configs" / "smollm2-135m-independent.yaml", [
         *kind_overrides, "train.loss=0.5*fkl+0.5*ce", "train.target_features=online",
@@ -151,8 +151,8 @@ def training_steps(kind_overrides: list[str], target, examples: list, accelerato
         start = time.perf_counter()
         hidden, p_logits = signal(batch)
         logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, hidden)
-        loss = slot_loss(tcfg, model, _unwrap(model).slots(batch.pred_mask), logits, p_logits,
-                         batch.labels) / batch.loss_tokens
+        rows = _unwrap(model).loss_rows(batch.pred_mask)
+        loss = weighted_loss(tcfg, model, rows, logits, p_logits, batch.labels) / batch.loss_tokens
         accelerator.backward(loss)
         norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
         optimizer.step()

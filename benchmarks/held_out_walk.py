@@ -59,7 +59,7 @@ def main() -> None:
           "| head | held-out loss | greedy_tau (alpha_1) | walk_tau (alpha_1) |\n|---|---|---|---|")
     for folder in args.drafts:
         head = Eagle3Head.from_pretrained(folder, torch.float32, device).eval()
-        model = Eagle3ForTraining(head, cfg.train.ttt_steps, cfg.train.head_decay)
+        model = Eagle3ForTraining(head, cfg.train.eagle3.ttt_steps, cfg.train.position_decay)
         r = evaluate_held_out(model, target, batches, cfg.train, device,
                               lambda batch, head=head: target_hidden(target, batch,
                                                                       head.aux_layers))

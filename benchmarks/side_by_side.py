@@ -33,8 +33,8 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    each text equals the target's own.
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED
 (SPECFORGE_MATCHED and SPECFORGE_UNMATCHED for SpecForge) and printed with the table.
-Results: <work>/<epochs>-epochs/results.json; --write-docs puts the table into
-docs/side-by-side.md with the CPU, the commit and this command. An ablation of ours
+Results: <work>/<epochs>-epochs/results.json; --write-docs writes them as a dated study of
+docs/results/ with the CPU, the commit and this command. An ablation of ours
 (`--variant NAME --peers '' key=value ...`) trains ours again with the overrides on the same
 conversations and features, in <work>/<epochs>-epochs-<NAME>, and measures it in vLLM.
 """
@@ -55,229 +55,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.architecture_matrix import cpu_name
+from benchmarks.peers import PEERS, peer_python
+from benchmarks.peers.specforge import SPECFORGE_MATCHED, SPECFORGE_UNMATCHED, train_specforge
+from benchmarks.peers.speculators import MATCHED, UNMATCHED, speculators_steps, train_speculators
 from runfolder.paths import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
-PEERS = {"speculators": "speculators==0.9.0", "specforge": "specforge==0.2.0"}
-PEER_ENTRY = {"speculators": ROOT / "benchmarks" / "peer_entry" / "speculators_cpu.py",
-              "specforge": ROOT / "benchmarks" / "peer_entry" / "specforge_cpu.py"}
-# speculators runs on our torch (the CPU wheel); SpecForge pins torch 2.11.0, whose PyPI wheel
-# (built for CUDA, with its libraries: most of the venv's ~11 GB) runs on a CPU as well
-CPU_TORCH = {"speculators": True, "specforge": False}
 
-SHARED_MATCHED = [
-    "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
-    "target features: one transformers forward, fp32, stored in bf16 by both",
-]
-SHARED_TAIL = [
-    "AdamW, the recipe's peak learning rate, its warmup steps, cosine decay, no weight decay, "
-    "gradients clipped at norm 1",
-    "bf16 autocast where the CPU runs it natively (the recipe's mixed_precision: auto)",
-]
-SHARED_UNMATCHED = [
-    "batches: ours takes micro_batch_size conversations per optimizer step; speculators packs "
-    "conversations into a token budget per step (--total-seq-len), set to micro_batch_size times "
-    "the mean training conversation's length, so tokens per step match on average and the step "
-    "counts differ a little",
-    "the cosine floor: ours decays to learning_rate * min_lr_ratio, speculators' to 0",
-    "speculators saves its checkpoints in bf16, ours in fp32",
-]
-MATCHED = {
-    "eagle3": SHARED_MATCHED + [
-        "one decoder layer over the aux layers of the recipe (vLLM's default ids)",
-        "draft vocabulary: the same d2t / t2d (the recipe's size, most frequent training labels)",
-        "training-time test: the recipe's ttt_steps, step j weighted head_decay**j",
-        "loss: forward KL against the target on the draft vocabulary (speculators' kl_div)",
-        *SHARED_TAIL,
-        "lm_head frozen at the target's rows of the draft vocabulary; the same epochs",
-    ],
-    "dflash": SHARED_MATCHED + [
-        "the recipe's number of Qwen3-style layers over the aux layers of the recipe, attending "
-        "to the context before the block and to the whole block (speculators' layers set to "
-        "full attention: its default sliding-window layers are causal inside a block)",
-        "blocks: the known token and train.block_size masks (speculators' block size is one "
-        "more: it counts the known token), the same mask token; a block after every answer "
-        "position (speculators' --max-anchors raised to its token budget per step)",
-        "loss: forward KL against the target over the whole vocabulary, mask j weighted "
-        "head_decay**(j-1) (speculators' kl_div with fixed-exp-decay, gamma = "
-        "-1 / ln(head_decay))",
-        *SHARED_TAIL,
-        "embeddings and lm_head frozen at the target's; the same epochs",
-    ],
-}
-UNMATCHED = {
-    "eagle3": SHARED_UNMATCHED + [
-        "speculators' sliding-window attention (2,048 tokens) is wider than max_seq_len, so it "
-        "attends as ours does; its norms are switched off to match the EAGLE-3 layer ours "
-        "trains",
-    ],
-    "dflash": SHARED_UNMATCHED + [
-        "initialisation: ours starts each layer as a copy of one of the target's (our DFlash "
-        "trainer's method, drafts/dflash/head.py); speculators' start from random weights, its "
-        "only start short of a trained speculator",
-    ],
-}
-# SpecForge's EAGLE-3 trainer beside ours (with the shared items above)
-SPECFORGE_MATCHED = [
-    "stage-1 conversations, their train / held-out split (by id) and truncation to max_seq_len",
-    "target features: one transformers forward, fp32; the aux features in the draft's dtype, "
-    "the last hidden state after the final norm in bf16 (its target head's fixed dtype)",
-    "one decoder layer over the aux layers of the recipe; the same d2t / t2d",
-    "training-time test: the recipe's ttt_steps, step j weighted 0.8**j (SpecForge's fixed "
-    "weight; the side by side refuses another train.head_decay)",
-    "loss: cross-entropy against the target's distribution on the draft vocabulary (forward "
-    "KL less the target's entropy: the same gradients)",
-    *SHARED_TAIL[:1],
-    "micro_batch_size conversations per optimizer step, padded, as ours (its loader drops a "
-    "last partial batch)",
-    "the same epochs",
-]
-SPECFORGE_UNMATCHED = [
-    "lm_head: SpecForge trains one of its own from random weights (no setting freezes it); ours "
-    "is frozen at the target's rows of the draft vocabulary",
-    "the cosine floor: ours decays to learning_rate * min_lr_ratio, SpecForge's to 0; its "
-    "warmup is a ratio of the steps, set to the recipe's warmup steps over the run's",
-    "precision where the CPU runs bf16 natively: SpecForge keeps the draft's weights in bf16 "
-    "with fp32 copies in its optimizer; ours keeps fp32 weights under bf16 autocast",
-    "its loss is a mean over every position of the padded batch (positions without a loss "
-    "count zero); ours a weighted mean over the positions that carry one",
-]
 VLLM_METHOD = {"eagle3": "eagle3", "dflash": "dflash"}
 KIND_NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
-
-
-# --- peers' environments ---------------------------------------------------------------------
-
-def peer_python(peer: str, log=print) -> Path:
-    """The python of the peer's own venv, made once. speculators: torch 2.13.0 (the CPU wheel
-    on disk) first, the pinned peer with torch held to it, then without PyPI's CUDA torchvision
-    / torchaudio / torchcodec, which break `import transformers` beside the CPU torch.
-    SpecForge: the pinned peer with the torch it pins."""
-    from recipe import cache_root
-
-    spec = PEERS[peer]
-    venv = cache_root() / "peers" / spec.replace("==", "-")
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if stamp.is_file():
-        return python
-    log(f"[side-by-side] installing {spec} into {venv} (once)")
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile"]
-    if CPU_TORCH[peer]:
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
-        constraints = venv / "constraints.txt"
-        constraints.write_text("torch==2.13.0\n")
-        subprocess.run([*pip, "-c", str(constraints), spec], check=True)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
-                        "torchaudio", "torchcodec"], check=False)
-    else:
-        subprocess.run([*pip, spec], check=True)
-    subprocess.run([str(python), "-c", f"import {peer}, transformers"], check=True)
-    stamp.write_text(spec + "\n")
-    return python
-
-
-# --- the shared data -------------------------------------------------------------------------
-
-@torch.no_grad()
-def layer_features(target, input_ids: list[int], aux_layers: list[int]) -> torch.Tensor:
-    """[T, len(aux_layers) + 1, H]: the inputs of the aux decoder layers (HF hidden_states
-    indices) and the last decoder layer's output before the final norm, what speculators
-    stores (the norm and lm_head give the target's logits from it)."""
-    decoder = target.get_decoder()
-    last = {}
-    hook = decoder.layers[-1].register_forward_hook(
-        lambda module, args, output: last.setdefault("h", output[0] if isinstance(output, tuple)
-                                                      else output))
-    try:
-        out = decoder(input_ids=torch.tensor([input_ids]), output_hidden_states=True)
-    finally:
-        hook.remove()
-    layers = [out.hidden_states[i][0] for i in aux_layers] + [last["h"][0]]
-    return torch.stack(layers, dim=1)
-
-
-def write_speculators_data(folder: Path, train, held_out, target, aux_layers: list[int],
-                           draft_ids: torch.Tensor | None, log=print) -> float:
-    """speculators' offline training data in `folder`, training rows first (its split takes the
-    first int(n * train_data_ratio) rows), and the d2t / t2d of `draft_ids` when the draft has
-    a vocabulary of its own: returns the ratio that splits exactly there."""
-    from datasets import Dataset
-    from safetensors.torch import load_file, save_file
-
-    from drafts.eagle3 import vocab_maps
-
-    rows = list(train) + list(held_out)
-    hidden = folder / "hidden_states"
-    hidden.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    for i, e in enumerate(rows):
-        path = hidden / f"hs_{i}.safetensors"
-        if path.is_file() and load_file(path)["token_ids"].tolist() == e.input_ids:
-            continue
-        features = layer_features(target, e.input_ids, aux_layers)
-        tmp = path.with_suffix(".tmp")
-        save_file({"hidden_states": features.to(torch.bfloat16).contiguous(),
-                   "token_ids": torch.tensor(e.input_ids)}, str(tmp))
-        tmp.replace(path)
-        if (i + 1) % 50 == 0:
-            log(f"[side-by-side] features {i + 1}/{len(rows)} "
-                f"({time.perf_counter() - start:.0f} s)")
-    # rewritten each time (it is small), in torch format as its loader reads it
-    staged = folder / ".dataset.tmp"
-    shutil.rmtree(staged, ignore_errors=True)
-    Dataset.from_dict({"input_ids": [e.input_ids for e in rows],
-                       "loss_mask": [e.loss_mask for e in rows],
-                       "seq_len": [len(e.input_ids) for e in rows]}).with_format(
-        "torch").save_to_disk(str(staged))
-    for old in folder.glob("data-*.arrow"):
-        old.unlink()
-    for part in staged.iterdir():
-        part.replace(folder / part.name)
-    staged.rmdir()
-    if draft_ids is not None:
-        import numpy as np
-
-        d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
-        np.save(folder / f"d2t-{len(draft_ids)}.npy", d2t.numpy())
-        np.save(folder / f"t2d-{len(draft_ids)}.npy", t2d.numpy())
-    # int(n * ratio) == len(train), half a row clear of either neighbour
-    return (len(train) + 0.5) / len(rows)
-
-
-def check_features_match_ours(folder: Path, run_cfg, examples, target, log=print) -> float:
-    """The largest relative difference between the speculators files and our trainer's own
-    feature cache (aux features; our post-norm last hidden state against the final norm of
-    theirs), over the rows our cache holds: both come from one forward of the same target."""
-    from safetensors.torch import load_file
-
-    from runfolder import run_folder
-
-    cache = run_folder(run_cfg).features
-    shards = sorted(cache.glob("features-*.safetensors")) if cache.is_dir() else []
-    if not shards:
-        log("[side-by-side] our feature cache is not on disk: features not cross-checked")
-        return float("nan")
-    ours = {}
-    for shard in shards:
-        ours.update(load_file(shard))
-    worst, compared = 0.0, 0
-    norm = target.get_decoder().norm
-    for i, e in enumerate(examples):
-        aux_key, last_key = f"{e.id}/aux", f"{e.id}/last"
-        if aux_key not in ours:
-            continue
-        path = folder / "hidden_states" / f"hs_{i}.safetensors"
-        theirs = load_file(path)["hidden_states"].float()
-        T = ours[aux_key].shape[0]
-        aux = theirs[:T, :-1].flatten(1)
-        last = norm(theirs[:T, -1])
-        for a, b in ((aux, ours[aux_key].float()), (last, ours[last_key].float())):
-            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
-        compared += 1
-    return worst if compared else float("nan")
 
 
 # --- training --------------------------------------------------------------------------------
@@ -348,273 +134,6 @@ def our_step_rates(log_path: Path) -> list[float]:
             rates.append((entry["tokens"] - last_tokens) / (seconds - last_seconds))
         last_tokens, last_seconds = entry["tokens"], seconds
     return rates
-
-
-def speculators_steps(log_text: str) -> dict:
-    """Its optimizer steps as its own log times them (profile/step_ms and profile/tokens_per_s,
-    printed per step): the seconds and tokens of the steps alone, and each step's rate."""
-    import re
-
-    ms = [float(v) for v in re.findall(r"profile/step_ms=([0-9.e+-]+)", log_text)]
-    rates = [float(v) for v in re.findall(r"profile/tokens_per_s=([0-9.e+-]+)", log_text)]
-    if not ms or len(ms) != len(rates):
-        raise RuntimeError("speculators' log holds no per-step timing (profile/step_ms, "
-                           "profile/tokens_per_s): it changed format or trained no step")
-    return {"optimizer_steps": len(ms), "step_seconds": sum(ms) / 1000,
-            "step_tokens": sum(r * m / 1000 for r, m in zip(rates, ms)), "step_rates": rates}
-
-
-def speculators_flags(cfg, kind: str, target_path: str, data: Path, save: Path, ratio: float,
-                      epochs: int, aux_layers: list[int], bf16: bool, tokens_per_step: int,
-                      mask_token_id: int | None = None) -> list[str]:
-    """speculators' train flags for the recipe's settings (MATCHED[kind])."""
-    t = cfg.train
-    flags = ["--verifier-name-or-path", target_path, "--data-path", str(data),
-             "--speculator-type", kind,
-             "--target-layer-ids", *[str(i) for i in aux_layers]]
-    if kind == "eagle3":
-        flags += ["--num-layers", "1",
-                  # the EAGLE-3 layer as ours (and vLLM's default) has it: no extra norms
-                  "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",
-                  "--draft-vocab-size", str(t.draft_vocab_size),
-                  "--ttt-steps", str(t.ttt_steps), "--ttt-step-loss-decay", str(t.head_decay)]
-    elif kind == "dflash":
-        from drafts.dflash import parse_layers
-
-        layers = parse_layers(t.draft)
-        flags += ["--num-layers", str(layers), "--draft-arch", "qwen3",
-                  # full attention: non-causal inside the block, as ours and vLLM's DFlash
-                  "--full-attention-indices", *[str(i) for i in range(layers)],
-                  "--block-size", str(t.block_size + 1), "--mask-token-id", str(mask_token_id),
-                  "--max-anchors", str(tokens_per_step),
-                  "--loss-fn", "kl_div", "--per-position-loss-weight", "fixed-exp-decay",
-                  "--dflash-decay-gamma", f"{-1 / math.log(t.head_decay):.6f}"]
-    else:
-        raise ValueError(f"no speculators trainer for {kind!r}")
-    return flags + [
-        "--optimizer", "adamw", "--lr", str(t.learning_rate), "--weight-decay", "0",
-        "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(t.warmup_steps),
-        "--epochs", str(epochs), "--total-seq-len", str(tokens_per_step),
-        "--train-data-ratio", f"{ratio:.6f}", "--save-path", str(save),
-        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager", "--num-workers", "0",
-        "--hidden-states-dtype", "bfloat16" if bf16 else "float32",
-        "--seed", str(cfg.run.seed)]
-
-
-def run_peer(peer: str, python: Path, args: list[str], log_path: Path, what: str,
-             env: dict | None = None) -> float:
-    """One run of the peer's entry point (benchmarks/peer_entry) in its venv, with our torch
-    threads and `env`, its output appended to log_path: its wall seconds. A failure raises
-    with the end of its log."""
-    env = {**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": str(torch.get_num_threads()),
-           **(env or {})}
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with log_path.open("a") as log:
-        done = subprocess.run([str(python), str(PEER_ENTRY[peer]), *args], env=env,
-                              cwd=log_path.parent, stdout=log, stderr=subprocess.STDOUT,
-                              check=False)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        tail = log_path.read_text()[-3000:]
-        raise RuntimeError(f"{what} failed (exit {done.returncode}); its log {log_path} "
-                           f"ends:\n{tail}")
-    return seconds
-
-
-def train_speculators(python: Path, cfg, kind: str, target_path: str, work: Path, folder: Path,
-                      train, held_out, target, aux_layers: list[int],
-                      draft_ids: torch.Tensor | None, mask_token: int | None, epochs: int,
-                      bf16: bool) -> dict:
-    """speculators' trainer of `kind` on the same conversations: its data (outside its clock),
-    its run (timed), its last checkpoint, which vLLM loads as it is."""
-    data = work / "speculators-data"
-    ratio = write_speculators_data(data, train, held_out, target, aux_layers, draft_ids)
-    mismatch = check_features_match_ours(data, cfg, train + held_out, target)
-    # its steps pack conversations into a token budget: ours take micro_batch_size
-    # conversations, so the budget is that many of the mean training length
-    train_tokens = sum(len(e.input_ids) for e in train)
-    per_step = max(cfg.train.max_seq_len,
-                   round(cfg.train.micro_batch_size * train_tokens / len(train)))
-    flags = speculators_flags(cfg, kind, target_path, data, folder / "checkpoints", ratio,
-                              epochs, aux_layers, bf16, per_step, mask_token)
-    print(f"[side-by-side] speculators: training ({epochs} epochs), log {folder / 'train.log'}")
-    seconds = run_peer("speculators", python, flags, folder / "train.log",
-                       "speculators' trainer")
-    return {"wall_seconds": seconds,
-            **speculators_steps((folder / "train.log").read_text()),
-            "folder": str(latest_speculators_checkpoint(folder / "checkpoints")),
-            "flags": flags, "features_vs_ours": mismatch}
-
-
-def latest_speculators_checkpoint(save: Path) -> Path:
-    """speculators saves <save>/<epoch>/ (config.json + weights): the last epoch's folder."""
-    epochs = [p for p in save.iterdir() if p.is_dir() and p.name.isdigit()
-              and (p / "config.json").is_file()]
-    if not epochs:
-        raise RuntimeError(f"speculators wrote no checkpoint folder under {save}")
-    return max(epochs, key=lambda p: int(p.name))
-
-
-# --- SpecForge --------------------------------------------------------------------------------
-
-def write_specforge_data(folder: Path, train, target, aux_layers: list[int],
-                         draft_ids: torch.Tensor, aux_dtype: torch.dtype, log=print) -> None:
-    """SpecForge's offline EAGLE-3 data in `folder`: train/<i>.ckpt, one per training
-    conversation (its loader reads every .ckpt under a directory, so the held-out rows are not
-    written), {input_ids [T], loss_mask [T], hidden_state [1, T, H]: the last hidden state after
-    the final norm, what its frozen target head projects (bf16, that head's dtype),
-    aux_hidden_state [1, T, 3H] in the draft's dtype}, and vocab_mapping.pt with the d2t / t2d
-    of `draft_ids`."""
-    from drafts.eagle3 import vocab_maps
-
-    rows = folder / "train"
-    rows.mkdir(parents=True, exist_ok=True)
-    norm = target.get_decoder().norm
-    start = time.perf_counter()
-    for i, e in enumerate(train):
-        path = rows / f"{i:06d}.ckpt"
-        if path.is_file() and torch.load(path, weights_only=True)["input_ids"].tolist() == \
-                e.input_ids:
-            continue
-        features = layer_features(target, e.input_ids, aux_layers)
-        with torch.no_grad():
-            last = norm(features[:, -1])
-        tmp = path.with_suffix(".tmp")
-        torch.save({"input_ids": torch.tensor(e.input_ids),
-                    "loss_mask": torch.tensor(e.loss_mask),
-                    "hidden_state": last.to(torch.bfloat16)[None].contiguous(),
-                    "aux_hidden_state": features[:, :-1].flatten(1).to(aux_dtype)[None]
-                    .contiguous()}, tmp)
-        tmp.replace(path)
-        if (i + 1) % 50 == 0:
-            log(f"[side-by-side] SpecForge features {i + 1}/{len(train)} "
-                f"({time.perf_counter() - start:.0f} s)")
-    for extra in rows.glob("*.ckpt"):  # rows of a larger data set written here before
-        if int(extra.stem) >= len(train):
-            extra.unlink()
-    d2t, t2d = vocab_maps(draft_ids, target.get_output_embeddings().weight.shape[0])
-    torch.save({"d2t": d2t, "t2d": t2d}, folder / "vocab_mapping.pt")
-
-
-def specforge_target(target_path: str, folder: Path) -> Path:
-    """The target as SpecForge reads it: its folder's files (links) plus the
-    model.safetensors.index.json it looks for the lm_head's file in (a one-file checkpoint
-    has none)."""
-    from safetensors import safe_open
-
-    source = Path(target_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        link = folder / f.name
-        if not link.is_symlink():
-            link.symlink_to(f.resolve())
-    weights = sorted(source.glob("*.safetensors"))
-    if len(weights) != 1 and not list(source.glob("*.index.json")):
-        raise RuntimeError(f"{source}: one safetensors file or an index expected")
-    if not list(source.glob("*.index.json")):
-        with safe_open(str(weights[0]), "pt") as f:
-            weight_map = {key: weights[0].name for key in f.keys()}
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
-    return folder
-
-
-def specforge_run(cfg, target_folder: Path, data: Path, folder: Path, epochs: int,
-                  train_conversations: int, aux_layers: list[int], bf16: bool) -> Path:
-    """SpecForge's run config (YAML) for the recipe's settings (MATCHED["eagle3"]), and the
-    draft config it trains: the target's architecture fields, one layer, the recipe's draft
-    vocabulary."""
-    import yaml
-
-    t = cfg.train
-    if abs(t.head_decay - 0.8) > 1e-9:
-        raise ValueError(f"train.head_decay is {t.head_decay}: SpecForge weighs TTT step j by "
-                         "0.8**j and has no setting for it; compare at train.head_decay=0.8")
-    draft = json.loads((target_folder / "config.json").read_text())
-    for key in ("dtype", "torch_dtype", "transformers_version"):
-        draft.pop(key, None)
-    draft.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                 num_hidden_layers=1, draft_vocab_size=t.draft_vocab_size,
-                 tie_word_embeddings=False,
-                 eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layers})
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "draft_config.json").write_text(json.dumps(draft, indent=2) + "\n")
-    total_steps = epochs * math.ceil(train_conversations / t.micro_batch_size)
-    run = {
-        "run_id": "side-by-side",
-        "output_dir": str(folder / "output"),
-        "model": {"target_model_path": str(target_folder),
-                  "draft_model_config": str(folder / "draft_config.json"),
-                  # SmolLM2 ties lm_head to the embeddings
-                  "embedding_key": "model.embed_tokens.weight",
-                  "lm_head_key": "model.embed_tokens.weight",
-                  "vocab_mapping_path": str(data / "vocab_mapping.pt"),
-                  "aux_hidden_state_layer_ids": aux_layers,
-                  "torch_dtype": "bfloat16" if bf16 else "float32"},
-        "data": {"hidden_states_path": str(data / "train"), "max_length": t.max_seq_len,
-                 "dataloader_num_workers": 0, "cache_dir": str(folder / "cache")},
-        "training": {"strategy": "eagle3", "num_epochs": epochs, "batch_size": t.micro_batch_size,
-                     "accumulation_steps": 1, "fsdp_sharding": "NO_SHARD",
-                     "learning_rate": t.learning_rate, "lr_scheduler": "cosine",
-                     "warmup_ratio": min(t.warmup_steps, total_steps - 1) / total_steps,
-                     "max_grad_norm": 1.0,
-                     "ttt_length": t.ttt_steps, "attention_backend": "sdpa",
-                     "log_interval": 1, "seed": cfg.run.seed},
-        "tracking": {"report_to": "none"},
-    }
-    path = folder / "run.yaml"
-    path.write_text(yaml.safe_dump(run, sort_keys=False))
-    return path
-
-
-def specforge_steps(step_log: Path) -> dict:
-    """Its optimizer steps from the entry point's per-step lines: seconds, tokens, rates."""
-    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
-    stepped = [s for s in steps if s["optimizer_stepped"]]
-    if not stepped:
-        raise RuntimeError(f"{step_log}: SpecForge trained no optimizer step")
-    return {"optimizer_steps": len(stepped), "step_seconds": sum(s["seconds"] for s in steps),
-            "step_tokens": sum(s["tokens"] for s in steps),
-            "step_rates": [s["tokens"] / s["seconds"] for s in stepped]}
-
-
-def latest_specforge_checkpoint(output: Path) -> Path:
-    """The newest checkpoint folder SpecForge wrote under its output_dir."""
-    found = [p.parent for p in output.rglob("*.pt") if p.parent.name != "cache"]
-    if not found:
-        raise RuntimeError(f"SpecForge wrote no checkpoint under {output}")
-    return max(found, key=lambda p: p.stat().st_mtime)
-
-
-def train_specforge(python: Path, cfg, target_path: str, work: Path, folder: Path, train,
-                    target, aux_layers: list[int], draft_ids: torch.Tensor, epochs: int,
-                    bf16: bool) -> dict:
-    """SpecForge's EAGLE-3 trainer on the same conversations: its data (outside its clock), its
-    run (timed), its checkpoint exported in the HF layout vLLM loads."""
-    data = work / "specforge-data"
-    write_specforge_data(data, train, target, aux_layers, draft_ids,
-                         torch.bfloat16 if bf16 else torch.float32)
-    target_folder = specforge_target(target_path, work / "specforge-target")
-    config = specforge_run(cfg, target_folder, data, folder, epochs, len(train), aux_layers,
-                           bf16)
-    steps = folder / "steps.jsonl"
-    print(f"[side-by-side] specforge: training ({epochs} epochs), log {folder / 'train.log'}")
-    on_cpu = {"SPECFORGE_DEVICE": "cpu"}
-    seconds = run_peer("specforge", python, ["train", "--config", str(config)],
-                       folder / "train.log", "SpecForge's trainer",
-                       {**on_cpu, "SIDE_BY_SIDE_STEP_LOG": str(steps)})
-    checkpoint = latest_specforge_checkpoint(folder / "output")
-    head = folder / "head"
-    run_peer("specforge", python, ["export", "--to", "hf", "--checkpoint", str(checkpoint),
-                                   "--draft-config", str(folder / "draft_config.json"),
-                                   "--output-dir", str(head),
-                                   "--vocab-mapping", str(data / "vocab_mapping.pt"),
-                                   "--embedding-source", str(target_folder),
-                                   "--embedding-key", "model.embed_tokens.weight"],
-             folder / "export.log", "SpecForge's export", on_cpu)
-    return {"wall_seconds": seconds, "folder": str(head), "checkpoint": str(checkpoint),
-            "config": str(config), **specforge_steps(steps)}
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -712,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     train = [truncate(e, base.train.max_seq_len) for e in data.train]
     held_out = [truncate(e, base.train.max_seq_len) for e in data.held_out]
     layers = target.config.num_hidden_layers
-    aux_layers = check_aux_layers(base.train.eagle_aux_layers or default_aux_layers(layers),
+    aux_layers = check_aux_layers(base.train.aux_layers or default_aux_layers(layers),
                                   layers)
     train_tokens = sum(len(e.input_ids) for e in train)
     steps = math.ceil(args.epochs * len(train) / base.train.micro_batch_size)
@@ -793,13 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         results["vllm"] = measure(resolved.path, prompts, eos, heads, VLLM_METHOD[kind],
                                   cfg.eval.k, args.max_new_tokens, cache_root() / "vllm")
         results["vllm_setting"] = setting
-    results.update(questions=len(prompts), max_new_tokens=args.max_new_tokens, k=cfg.eval.k)
+    results.update(questions=len(prompts), max_new_tokens=args.max_new_tokens, k=cfg.eval.k,
+                   kind=kind)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     table = render_table(results)
     print(settings(kind))
     print(table)
     if args.write_docs:
-        write_docs(results, table, argv)
+        print(f"[side-by-side] wrote {write_docs(results, table, argv)}: list it in "
+              "docs/results.md")
     return 0
 
 
@@ -829,32 +350,34 @@ def render_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(results: dict, table: str, argv: list[str]) -> None:
-    """This run's section of docs/side-by-side.md, in place of the section of the same title
-    (a section titled apart, such as "... (ours alone)", is kept beside it). A new doc opens
-    with the steps and the settings lists; an existing doc keeps what precedes its first
-    section (the summary table across runs is written there by hand)."""
+def write_docs(results: dict, table: str, argv: list[str], today: str | None = None) -> Path:
+    """This run as a study of the dated results log: docs/results/<date>-side-by-side-<recipe>-
+    <conversations>-<epochs>[-<variant>].md, with the CPU, the commit, the command, the table
+    and the settings matched and not; a run repeated the same day replaces that day's file.
+    -> the file (docs/results.md lists it: add its line there)."""
+    import datetime
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True, check=False).stdout.strip()
-    doc = ROOT / "docs" / "side-by-side.md"
-    section = "\n".join([
-        f"## {results['config']}: {results['train_conversations']} training conversations, "
-        f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}"
-        + (f", {results['variant']} ({' '.join(results['overrides'])})"
-           if results.get("variant") else ""), "",
+    epochs = f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}"
+    title = (f"Side by side: {results['config']}, {results['train_conversations']} training "
+             f"conversations, {epochs}" + (f", {results['variant']} "
+                                           f"({' '.join(results['overrides'])})"
+                                           if results.get("variant") else ""))
+    today = today or datetime.date.today().isoformat()
+    name = "-".join([today, "side-by-side", Path(results["config"]).stem,
+                     str(results["train_conversations"]), f"{results['epochs']}-epochs",
+                     *([results["variant"]] if results.get("variant") else [])])
+    doc = ROOT / "docs" / "results" / f"{name}.md"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text("\n".join([
+        f"# {title}", "",
         f"{results['cpu']}; {results['torch_threads']} torch threads; commit {commit}; "
         f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
         f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
-        f"greedy, k={results['k']}.", "", table, ""])
-    if doc.is_file():
-        head, *sections = doc.read_text().split("\n## ")
-    else:
-        head = "# Side by side with the field's trainers\n\n" + __doc__.split("\n\n", 2)[2]
-        head += "".join(f"\n{settings(kind)}" for kind in MATCHED)
-        sections = []
-    title = section.split("\n", 1)[0][3:]
-    kept = [s for s in sections if s.split("\n", 1)[0] != title]
-    doc.write_text(head + "".join("\n## " + s for s in kept) + "\n" + section)
+        f"greedy, k={results['k']}.", "", table, "",
+        settings(results.get("kind", "eagle3")), ""]))
+    return doc
 
 
 if __name__ == "__main__":

@@ -116,30 +116,30 @@ def summarize(sums: torch.Tensor, windows: int) -> PredictedAcceptance:
                                alpha=[round(float(x), 6) for x in expected], windows=windows)
 
 
-def split(draft_logits: torch.Tensor, slots: list) -> list[torch.Tensor]:
-    """[M, V] -> one [count, V] per slot (drafts.kind.Slot)."""
-    return list(draft_logits.split([s.count for s in slots]))
+def split(draft_logits: torch.Tensor, runs: list) -> list[torch.Tensor]:
+    """[M, V] -> one [count, V] per drafts.kind.LossRows."""
+    return list(draft_logits.split([s.count for s in runs]))
 
 
-def acceptance_grid(values: list[torch.Tensor], slots: list, pred_mask: torch.Tensor,
+def acceptance_grid(values: list[torch.Tensor], runs: list, pred_mask: torch.Tensor,
                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row acceptance probabilities (one [count] per slot) -> a [B, T, k] grid and its valid
+    """Per-row acceptance probabilities (one [count] per LossRows) -> a [B, T, k] grid and its valid
     mask: grid[b, s, j-1] = acceptance of draft position j in a chain that starts after position
     s, scored against the target at s + j. An autoregressive draft's value at loss position t
     serves every j (as position j of the chain starting at t - j)."""
     batch, length = pred_mask.shape
     grid = torch.zeros(batch, length, k, dtype=torch.float64, device=pred_mask.device)
     valid = torch.zeros(batch, length, k, dtype=torch.bool, device=pred_mask.device)
-    for a, slot in zip(values, slots):
-        if slot.position is None:
+    for a, run in zip(values, runs):
+        if run.position is None:
             per_position = torch.zeros(batch, length, dtype=torch.float64, device=a.device)
             per_position[pred_mask] = a.double()
             for j in range(1, min(k, length - 1) + 1):
                 grid[:, : length - j, j - 1] = per_position[:, j:]
                 valid[:, : length - j, j - 1] = pred_mask[:, j:]
-        elif slot.position <= k:
-            grid[slot.starts[:, 0], slot.starts[:, 1], slot.position - 1] = a.double()
-            valid[slot.starts[:, 0], slot.starts[:, 1], slot.position - 1] = True
+        elif run.position <= k:
+            grid[run.starts[:, 0], run.starts[:, 1], run.position - 1] = a.double()
+            valid[run.starts[:, 0], run.starts[:, 1], run.position - 1] = True
     return grid, valid
 
 

@@ -1,14 +1,15 @@
 """What a draft kind is: the one interface the training loop, the engine, eval and export use.
 
-A kind (an independent LM, Medusa heads, an EAGLE-3 head, prompt lookup, ...) is one module of
-drafts/ implementing DraftKind, listed once in drafts/registry.py. Nothing outside drafts/ asks
-which kind a draft is: it asks the kind.
+A kind (an independent LM, Medusa heads, an EAGLE-3 head, prompt lookup, ...) is one package
+drafts/<name>/ whose kind.py implements DraftKind, listed once in drafts/registry.py. Nothing
+outside drafts/ asks which kind a draft is: it asks the kind (its facts, its TrainingShape).
 
 For training, a kind wraps its draft in a module whose forward returns draft logits [M, Vd]
 only where a loss applies (DDP, FSDP and DeepSpeed wrap that forward), and whose
-`slots(pred_mask)` says which of the batch's N loss positions those M rows are scored against
-and which draft position they serve. The loop then indexes target logits [N, V] and labels [N]
-by the slots, weighs the loss per slot, and fills the predicted-acceptance grid from them.
+`loss_rows(pred_mask)` (a list of LossRows) says which of the batch's N loss positions those M
+rows are scored against and which draft position they serve. The loop then indexes target
+logits [N, V] and labels [N] by those rows, weighs the loss per run of rows, and fills the
+predicted-acceptance grid from them.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DraftKind(Protocol):
     """Its engine draft can run its steps compiled (torch.compile: eval.draft_compile), the
     same arithmetic in fewer, fused kernels."""
     train_keys: tuple[str, ...]
-    """The train keys only some kinds read that this kind reads (head_decay, block_size, ...):
+    """The train keys only some kinds read that this kind reads (position_decay, block_size, ...):
     any other such key set away from its default is refused (registry.check_train_config);
     check_train checks the values of these."""
 
@@ -207,11 +208,11 @@ class TrainableDraft(Protocol):
     aux_layers: list[int] | None
     """The target layers it reads besides the last (HF output_hidden_states indices)."""
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]: ...
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]: ...
 
     def forward(self, input_ids, attention_mask, pred_mask,
                 target_hidden: TargetHidden | None = None) -> torch.Tensor:
-        """-> draft logits [M, Vd], the slots' rows in order."""
+        """-> draft logits [M, Vd], the LossRows' rows in order."""
 
     target_rows: torch.Tensor | None
     """[Vd] the target ids its loss scores (its draft vocabulary); None: all V. Training
@@ -238,11 +239,11 @@ class SameVocabulary:
 
 
 @dataclass
-class Slot:
+class LossRows:
     """A run of draft logits scored against some of the batch's N loss positions."""
 
     count: int
-    """Rows of the draft's output [M, V] that belong to this slot (consecutive, in order)."""
+    """Rows of the draft's output [M, V] that belong to these LossRows (consecutive, in order)."""
     rows: torch.Tensor | None
     """[count] indices into the N loss positions (row-major over pred_mask): the target's
     distribution and the label each row is scored against. None: all N, in order."""
@@ -255,36 +256,36 @@ class Slot:
 
     def pick(self, per_loss_position: torch.Tensor | None) -> torch.Tensor | None:
         """The rows of a tensor over the N loss positions ([N, ...]: target logits, labels)
-        that this slot's draft rows are scored against -> [count, ...]."""
+        that these draft rows are scored against -> [count, ...]."""
         if per_loss_position is None or self.rows is None:
             return per_loss_position
         return per_loss_position[self.rows]
 
 
-def chain_slots(pred_mask: torch.Tensor, positions: int, decay: float) -> list[Slot]:
+def chain_loss_rows(pred_mask: torch.Tensor, positions: int, decay: float) -> list[LossRows]:
     """Draft position j (1-based) read at the target's hidden state h_s predicts x_{s+1+j}: it
     is scored against the target's distribution at s + j, which must be a loss position (Medusa
-    head j, EAGLE-3 training-time-test step j-1). pred_mask [B, T] -> one slot per position,
+    head j, EAGLE-3 training-time-test step j-1). pred_mask [B, T] -> one LossRows per position,
     weighted decay**(j-1)."""
     loss_positions = pred_mask.nonzero()  # [N, 2] (b, t), row-major like boolean indexing
-    slots = []
+    runs = []
     for j in range(1, positions + 1):
         keep = loss_positions[:, 1] >= j  # the start s = t - j must exist
         rows = keep.nonzero()[:, 0]  # [n_j]
         starts = loss_positions[rows] - torch.tensor([0, j], device=pred_mask.device)  # [n_j, 2]
-        slots.append(Slot(len(rows), rows, starts, j, decay ** (j - 1)))
-    return slots
+        runs.append(LossRows(len(rows), rows, starts, j, decay ** (j - 1)))
+    return runs
 
 
 
-def check_head_decay(cfg: TrainConfig) -> None:
-    """train.head_decay, for the kinds whose draft positions have losses of their own."""
-    if not 0.0 < cfg.head_decay <= 1.0:
-        raise ConfigError(f"train.head_decay={cfg.head_decay} must be in (0, 1].")
+def check_position_decay(cfg: TrainConfig) -> None:
+    """train.position_decay, for the kinds whose draft positions have losses of their own."""
+    if not 0.0 < cfg.position_decay <= 1.0:
+        raise ConfigError(f"train.position_decay={cfg.position_decay} must be in (0, 1].")
 
 
 def check_blocks(cfg: TrainConfig, learner: str) -> None:
-    """train.block_size, block_starts, mask_token_id and head_decay, for the kinds that fill
+    """train.block_size, block_starts, mask_token_id and position_decay, for the kinds that fill
     mask blocks (learner: what learns the block's positions, for the message)."""
     if cfg.block_size < 1 or cfg.block_starts < 0:
         raise ConfigError(f"train.block_size={cfg.block_size} must be >= 1 and "
@@ -292,7 +293,7 @@ def check_blocks(cfg: TrainConfig, learner: str) -> None:
     if cfg.mask_token_id is not None and cfg.mask_token_id < 0:
         raise ConfigError(f"train.mask_token_id={cfg.mask_token_id} must be a token id (>= 0) "
                           "or null.")
-    check_head_decay(cfg)
+    check_position_decay(cfg)
     if cfg.eval_k > cfg.block_size:
         raise ConfigError(f"train.eval_k={cfg.eval_k} exceeds train.block_size={cfg.block_size}, "
                           f"the draft positions {learner} learns: lower eval_k or raise "

@@ -4,12 +4,12 @@ on, and the attention inside a block.
 A parallel drafter proposes k tokens in ONE forward. The step's last known token x_p (the token
 the target just emitted) sits at position p; k mask tokens follow it (DFlash: positions
 p+1..p+k, each predicting its own position's token; PARD: k-1 masks at p+1..p+k-1 after the
-causal prediction at p). In the slots' terms (drafts.kind.chain_slots) the block serves the
+causal prediction at p). In chain_loss_rows' terms (drafts.kind) the block serves the
 chain start s = p - 1: draft position j predicts x_{s+1+j} and is scored against the target's
 distribution at s + j.
 
 Training places such a block after many starts of each conversation at once. Which starts is a
-deterministic function of the batch's loss mask (block_plan), so the loop's slots() and the
+deterministic function of the batch's loss mask (block_plan), so the loop's loss_rows() and the
 module's forward agree without sharing state.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafts.kind import Slot
+from drafts.kind import LossRows
 from recipe import ConfigError
 
 
@@ -77,19 +77,19 @@ class BlockPlan:
     """[k, B, S] bool: draft position j (index j-1) of the block is scored (s+j a loss
     position)."""
 
-    def slots(self, pred_mask: torch.Tensor, decay: float, first: int = 1) -> list[Slot]:
-        """One slot per draft position j = first..k: rows ordered by (b, block), weight
+    def loss_rows(self, pred_mask: torch.Tensor, decay: float, first: int = 1) -> list[LossRows]:
+        """One LossRows per draft position j = first..k: rows ordered by (b, block), weight
         decay**(j-1)."""
         index = loss_index(pred_mask)
         rows_of = torch.arange(pred_mask.shape[0], device=pred_mask.device)[:, None].expand_as(
             self.starts)
-        slots = []
+        runs = []
         for j in range(first, self.scored.shape[0] + 1):
             keep = self.scored[j - 1]  # [B, S]
             b, s = rows_of[keep], self.starts[keep]
-            slots.append(Slot(len(b), index[b, s + j], torch.stack([b, s], 1), j,
+            runs.append(LossRows(len(b), index[b, s + j], torch.stack([b, s], 1), j,
                               decay ** (j - 1)))
-        return slots
+        return runs
 
 
 def block_plan(pred_mask: torch.Tensor, k: int, per_row: int = 0) -> BlockPlan:
@@ -150,8 +150,8 @@ def pard_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Blo
     (ids [B, T+S(k-1)], position_ids [B, T+S(k-1)], mask [B, 1, T+S(k-1), T+S(k-1)] bool)."""
     batch, length = input_ids.shape
     device = input_ids.device
-    slots, masks = plan.starts.shape[1], k - 1
-    width = length + slots * masks
+    starts, masks = plan.starts.shape[1], k - 1  # S blocks per row
+    width = length + starts * masks
     ids = torch.full((batch, width), mask_id, dtype=input_ids.dtype, device=device)
     ids[:, :length] = input_ids
     positions = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -167,6 +167,6 @@ def pard_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, plan: Blo
     context = (up_to & real[:, None, :] & plan.valid[:, :, None])  # [B, S, T]
     allowed[:, length:, :length] = context.repeat_interleave(masks, dim=1)
     own = torch.ones(masks, masks, dtype=torch.bool, device=device).tril()  # [k-1, k-1]
-    blocks = torch.block_diag(*[own] * slots) if slots else own[:0, :0]
+    blocks = torch.block_diag(*[own] * starts) if starts else own[:0, :0]
     allowed[:, length:, length:] = blocks
     return ids, positions, allowed[:, None]

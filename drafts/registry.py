@@ -2,7 +2,7 @@
 
 A spec (train.draft, eval.draft) or a saved folder goes to the first kind that claims it; the
 independent draft comes last and takes every causal LM the others do not. A new kind is one
-module implementing drafts.kind.DraftKind plus one line here.
+package drafts/<name>/ whose kind.py implements drafts.kind.DraftKind, plus one line here.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -9,8 +9,8 @@ Each run is one point: a folder whose train stage used train.max_conversations (
 stage-1 data. Read per point: the training conversations and the tokens the target generated
 for them (the data), the feature dump's seconds (features/manifest.json, when the run dumped
 features), the train stage's seconds and the predicted tau after training
-(train/draft's runfolder.paths.TRAIN_RECORD), the measured tau of every eval mode that names the run's
-draft ('speculative' of the eval's own draft, 'speculative:<run name>' of a compared one).
+(train/draft's runfolder.paths.TRAIN_RECORD), the measured tau of every eval mode that names
+the run's draft ('speculative' of the eval's own draft, 'speculative:<run name>' of a compared one).
 Stage 1's CPU time per point is its generated tokens over the data set's tokens/s
 (--stage1-tokens-per-s, as stage 1 printed it). Writes tau_vs_data.md and tau_vs_data.png.
 """

@@ -6,6 +6,7 @@ from recipe.config import (
     ConfigError,
     DataConfig,
     DecodeSettings,
+    Eagle3Config,
     EvalConfig,
     GenerationConfig,
     ModelConfig,
@@ -18,5 +19,5 @@ from recipe.config import (
 )
 
 __all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "DecodeSettings",
-           "EvalConfig", "GenerationConfig", "ModelConfig", "PublishConfig", "RunConfig", "TrackingConfig",
-           "TrainConfig", "cache_root", "load_config"]
+           "Eagle3Config", "EvalConfig", "GenerationConfig", "ModelConfig", "PublishConfig",
+           "RunConfig", "TrackingConfig", "TrainConfig", "cache_root", "load_config"]

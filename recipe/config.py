@@ -500,6 +500,25 @@ def parse_loss(spec: str) -> list[tuple[float, str]]:
 
 
 @dataclass
+class Eagle3Config:
+    """The keys only an EAGLE-3 head reads (train.eagle3.*; refused for other kinds)."""
+
+    ttt_steps: int = 7
+    """Training-time test: draft steps unrolled per position, step j feeding the head its own
+    output of step j-1."""
+    intermediate_size: int | None = None
+    """The width of the head's MLP (vLLM reads it from the head's config.json); None:
+    the target's intermediate_size. With head_init 'target' the target's MLP fills the first
+    rows and the extra units start with a zero output, so the head still starts as the
+    target's layer."""
+    layers: int = 1
+    """Decoder layers in the head (vLLM builds num_hidden_layers of them: the first
+    reads the token embedding and the fed-in feature [2H], the others the layer below [H]; the
+    last one's output is fed back). With head_init 'target' layer i starts as the target's
+    decoder layer aux + i, so the target needs that many layers from its highest aux layer on."""
+
+
+@dataclass
 class TrainConfig:
     draft: str = "layer-truncated:6"
     """Draft initialisation: 'layer-truncated:<n>' (the target's embeddings, first n layers,
@@ -507,14 +526,16 @@ class TrainConfig:
     architecture, random weights), an HF causal LM folder / hub id with the target's vocab, or
     'medusa:<heads>' / 'medusa:<heads>x<layers>' (Medusa heads on the frozen target's last hidden
     state, <layers> residual blocks each, default 1; lm_heads start as copies of the target's),
-    'eagle3' (an EAGLE-3 head: decoder layers (eagle_layers, one by default) on the target's
+    'eagle3' (an EAGLE-3 head: decoder layers (eagle3.layers, one by default) on the target's
     aux features, see below),
     'dflash' / 'dflash:<layers>' (a DFlash block drafter on the target's aux features, filling
     block_size masks in one forward), or 'pard:<independent spec>' (an independent draft trained
     for parallel drafting: block_size-1 mask tokens after the context, one forward)."""
-    head_decay: float = 0.8
-    """Medusa head j / EAGLE-3 training-time-test step j / DFlash and PARD draft position j
-    (1-based) weighs head_decay**(j-1)."""
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    """EAGLE-3 heads only: train.eagle3.ttt_steps, intermediate_size, layers."""
+    position_decay: float = 0.8
+    """The loss of draft position j (1-based) weighs position_decay**(j-1): Medusa head j,
+    EAGLE-3 training-time-test step j, DFlash and PARD block position j."""
     block_size: int = 4
     """DFlash / PARD: the draft tokens one forward proposes, which the drafter learns (and the
     most k it serves)."""
@@ -524,7 +545,7 @@ class TrainConfig:
     mask_token_id: int | None = None
     """DFlash / PARD: the token filling the masked block positions; None: the tokenizer's mask
     token, else its highest special token that is not BOS/EOS/PAD and never in the data."""
-    eagle_aux_layers: list[int] | None = None
+    aux_layers: list[int] | None = None
     """EAGLE-3 / DFlash: the target's feature layers as HF output_hidden_states indices (k = the
     input of decoder layer k, vLLM's EAGLE-3 convention; EAGLE-3 takes three); None: vLLM's
     default (2, n//2, n-3)."""
@@ -534,24 +555,11 @@ class TrainConfig:
     rest, which verification keeps lossless); None: the whole vocabulary, for every kind
     (EAGLE-3 recipes set 32000 or less; vLLM and llama.cpp serve an LM draft with its full head
     either way)."""
-    ttt_steps: int = 7
-    """EAGLE-3 training-time test: draft steps unrolled per position, step j feeding the head
-    its own output of step j-1."""
     target_features: Literal["online", "offline"] = "online"
     """EAGLE-3: 'online' runs the target on every batch; 'offline' writes its features (aux
     layers and last hidden state, feature_dtype) once to <run>/features and reads them back."""
     feature_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     """Dtype of the offline feature dump (2 bytes per value either way)."""
-    eagle_intermediate_size: int | None = None
-    """EAGLE-3: the width of the head's MLP (vLLM reads it from the head's config.json); None:
-    the target's intermediate_size. With head_init 'target' the target's MLP fills the first
-    rows and the extra units start with a zero output, so the head still starts as the
-    target's layer."""
-    eagle_layers: int = 1
-    """EAGLE-3: decoder layers in the head (vLLM builds num_hidden_layers of them: the first
-    reads the token embedding and the fed-in feature [2H], the others the layer below [H]; the
-    last one's output is fed back). With head_init 'target' layer i starts as the target's
-    decoder layer aux + i, so the target needs that many layers from its highest aux layer on."""
     feature_noise: float = 0.0
     """EAGLE-3 / DFlash: uniform noise of this width, U(-a/2, a/2), added to the target's aux
     features in training (EAGLE's augmentation: serving feeds the head features the target
@@ -817,19 +825,77 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     raise TypeError(f"unsupported config type {hint!r} at {where}")
 
 
+RENAMED = {
+    "train.head_decay": "train.position_decay",
+    "train.eagle_aux_layers": "train.aux_layers",
+    "train.ttt_steps": "train.eagle3.ttt_steps",
+    "train.eagle_intermediate_size": "train.eagle3.intermediate_size",
+    "train.eagle_layers": "train.eagle3.layers",
+}
+"""Keys of earlier recipes -> their names now (refused by the old name, naming the new)."""
+
+
+def with_current_names(resolved: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A resolved config saved before RENAMED (a checkpoint's config.yaml) under today's key
+    names, groups included, so that a resume compares like with like."""
+    out = {section: dict(values) for section, values in resolved.items()}
+    for old, new in RENAMED.items():
+        section, _, name = old.partition(".")
+        if name in out.get(section, {}):
+            value, (_, *path) = out[section].pop(name), new.split(".")
+            group = out[section]
+            for part in path[:-1]:
+                group = group.setdefault(part, {})
+            group[path[-1]] = value
+    return out
+
+
 def _set(tree: dict[str, dict[str, Any]], key: str, value: Any, origin: str) -> None:
-    section, _, name = key.partition(".")
+    if key in RENAMED:
+        raise ConfigError(f"{key} ({origin}) is now {RENAMED[key]}: rename it (same meaning, "
+                          "same values).")
+    section, _, rest = key.partition(".")
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r} ({origin}); valid sections: "
                           f"{', '.join(SECTIONS)}.")
-    if not name:
+    if not rest:
         raise ConfigError(f"{key!r} ({origin}) names a section, not a field: write "
                           f"{section}.<field>=<value>.")
+    name, _, sub = rest.partition(".")
     hints = _HINTS[section]
     if name not in hints:
         raise ConfigError(f"unknown key {key!r} ({origin}); valid keys of '{section}': "
                           f"{', '.join(hints)}.")
-    tree.setdefault(section, {})[name] = _check_type(value, hints[name], key)
+    group = hints[name]
+    if not dataclasses.is_dataclass(group):
+        if sub:
+            raise ConfigError(f"unknown key {key!r} ({origin}): {section}.{name} is a single "
+                              "value.")
+        tree.setdefault(section, {})[name] = _check_type(value, group, key)
+        return
+    if not sub:  # the group as a mapping
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} ({origin}) is a group of keys: write {key}.<key>=<value> "
+                              f"or a mapping of its keys ({', '.join(_group_hints(group))}).")
+        for sub_name, sub_value in value.items():
+            _set(tree, f"{key}.{sub_name}", sub_value, origin)
+        return
+    sub_hints = _group_hints(group)
+    if sub not in sub_hints:
+        raise ConfigError(f"unknown key {key!r} ({origin}); valid keys of '{section}.{name}': "
+                          f"{', '.join(sub_hints)}.")
+    tree.setdefault(section, {}).setdefault(name, {})[sub] = _check_type(value, sub_hints[sub], key)
+
+
+def _group_hints(cls: type) -> dict[str, Any]:
+    return {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type, values: dict[str, Any]):
+    """A section's dataclass from its checked values, its groups (train.eagle3) built too."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _build(hints[name], value) if dataclasses.is_dataclass(hints[name])
+                  else value for name, value in values.items()})
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -877,4 +943,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 _set(tree, f"{section}.{name}", value, str(path))
     for key, value in parse_overrides(overrides or []):
         _set(tree, key, value, "command line")
-    return Config(**{name: cls(**tree.get(name, {})) for name, cls in _CLASSES.items()})
+    return Config(**{name: _build(cls, tree.get(name, {})) for name, cls in _CLASSES.items()})

@@ -49,20 +49,32 @@ def _default(f: dataclasses.Field) -> str:
     return "(required)"
 
 
+def _rows(prefix: str, cls: type) -> list[str]:
+    """A table row per field of cls; a group of keys (train.eagle3) as a row per key."""
+    hints, docs, rows = typing.get_type_hints(cls), field_docs(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(f"{prefix}.{f.name}", hints[f.name])
+            continue
+        meaning = docs.get(f.name, "").replace("|", "\\|").replace("<", "&lt;")
+        kind = _type_name(hints[f.name]).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{f.name}` | `{kind}` | `{_default(f)}` | {meaning} |")
+    return rows
+
+
 def reference() -> str:
     """Markdown: one table per section, every field, in the order of the code."""
     out = []
     for section, cls in typing.get_type_hints(config.Config).items():
-        hints, docs = typing.get_type_hints(cls), field_docs(cls)
         out += [f"### `{section}`", ""]
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
             out += [" ".join(cls.__doc__.split()), ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            meaning = docs.get(f.name, "").replace("|", "\\|").replace("<", "&lt;")
-            kind = _type_name(hints[f.name]).replace("|", "\\|")
-            out.append(f"| `{section}.{f.name}` | `{kind}` | `{_default(f)}` | {meaning} |")
+        out += _rows(section, cls)
         out.append("")
+    out += ["### Renamed keys", "", "Refused by their old name, naming the new one:", "",
+            "| old key | key now |", "|---|---|"]
+    out += [f"| `{old}` | `{new}` |" for old, new in config.RENAMED.items()]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -3,7 +3,14 @@ manifest, the identity check, the prompts a run is measured on, the eval report)
 every stage: distill writes it, train, eval and serving read it, and no stage imports another."""
 
 from runfolder.manifest import identity_differences, read_manifest, write_manifest
-from runfolder.paths import TRAIN_RECORD, RunFolder, run_folder, run_name_of, train_record, write_train_record
+from runfolder.paths import (
+    TRAIN_RECORD,
+    RunFolder,
+    run_folder,
+    run_name_of,
+    train_record,
+    write_train_record,
+)
 from runfolder.prompts import load_eval_prompts
 from runfolder.reports import eval_report_of, speed_text, stage1_counts
 from runfolder.shards import (

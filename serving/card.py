@@ -3,7 +3,6 @@ run folder recorded (stage-1 counts, training, the eval of this very draft)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from drafts import DraftKind

@@ -271,8 +271,8 @@ def run_recipe(argv: list) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-EAGLE3 = ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
-          "train.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
+EAGLE3 = ("train.draft=eagle3", "train.aux_layers=[0,1,1]", "train.draft_vocab_size=1024",
+          "train.eagle3.ttt_steps=3", "train.loss=fkl", "train.target_logits=online")
 """An EAGLE-3 head on the tiny target, trained in fp32 with online features and logits."""
 
 

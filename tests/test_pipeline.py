@@ -29,7 +29,7 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
          "eval.max_new_tokens=8", "data.held_out_fraction=0.34", f"train.draft={draft}",
          "train.max_steps=2", "train.warmup_steps=0", "train.micro_batch_size=2",
          "train.eval_k=2", "eval.k=2",
-         *(["train.eagle_aux_layers=[0,1,1]", "train.draft_vocab_size=512", "train.ttt_steps=2"]
+         *(["train.aux_layers=[0,1,1]", "train.draft_vocab_size=512", "train.eagle3.ttt_steps=2"]
            if draft == "eagle3" else [])],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -12,23 +12,26 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.peers import layer_features, run_peer
+from benchmarks.peers.specforge import (
+    specforge_run,
+    specforge_steps,
+    specforge_target,
+    write_specforge_data,
+)
+from benchmarks.peers.speculators import (
+    latest_speculators_checkpoint,
+    speculators_flags,
+    speculators_steps,
+    write_speculators_data,
+)
 from benchmarks.side_by_side import (
     ROOT,
     head_figures,
     head_mask_token,
     head_vocabulary,
-    latest_speculators_checkpoint,
-    layer_features,
     our_step_rates,
     render_table,
-    run_peer,
-    specforge_run,
-    specforge_steps,
-    specforge_target,
-    speculators_flags,
-    speculators_steps,
-    write_specforge_data,
-    write_speculators_data,
 )
 from drafts.eagle3 import target_ids, vocab_maps
 from tests.helpers import tiny_llama
@@ -195,7 +198,7 @@ def test_the_peers_eagle3_flags_carry_the_recipes_settings():
 
 
 def test_the_peers_dflash_flags_carry_the_recipes_blocks_layers_and_loss_weights():
-    flags, _ = _flags("smollm2-135m-dflash.yaml", "train.head_decay=0.7")
+    flags, _ = _flags("smollm2-135m-dflash.yaml", "train.position_decay=0.7")
     assert flags["speculator-type"] == ["dflash"]
     assert flags["num-layers"] == ["2"] and flags["full-attention-indices"] == ["0", "1"]
     assert flags["block-size"] == ["5"]  # the known token and the recipe's 4 masks
@@ -294,8 +297,8 @@ def test_specforge_run_config_carries_the_recipes_settings(tmp_path):
     assert draft["tie_word_embeddings"] is False and "dtype" not in draft
     assert draft["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
 
-    other = load_config(ROOT / "configs" / "smollm2-135m-eagle3.yaml", ["train.head_decay=0.7"])
-    with pytest.raises((ConfigError, ValueError), match="head_decay"):
+    other = load_config(ROOT / "configs" / "smollm2-135m-eagle3.yaml", ["train.position_decay=0.7"])
+    with pytest.raises((ConfigError, ValueError), match="position_decay"):
         specforge_run(other, target_folder, tmp_path / "data", tmp_path / "run", 8, 184,
                       [2, 15, 27], True)
 
@@ -332,12 +335,12 @@ def test_specforge_cpu_loss_is_the_soft_label_cross_entropy_of_its_kernel():
 def test_a_peer_run_appends_to_its_log_and_a_failure_shows_its_end(tmp_path, monkeypatch):
     import sys
 
-    import benchmarks.side_by_side as side_by_side
+    import benchmarks.peers as peers
 
     entry = tmp_path / "entry.py"
     entry.write_text("import os, sys\nprint('args', sys.argv[1:], os.environ['EXTRA'])\n"
                      "sys.exit(int(sys.argv[1]))\n")
-    monkeypatch.setitem(side_by_side.PEER_ENTRY, "specforge", entry)
+    monkeypatch.setitem(peers.PEER_ENTRY, "specforge", entry)
     log = tmp_path / "run" / "train.log"
     seconds = run_peer("specforge", Path(sys.executable), ["0"], log, "its trainer",
                        {"EXTRA": "x"})
@@ -347,34 +350,19 @@ def test_a_peer_run_appends_to_its_log_and_a_failure_shows_its_end(tmp_path, mon
     assert log.read_text().count("args") == 2  # appended
 
 
-def test_the_docs_keep_their_head_and_replace_only_the_section_of_the_same_title(tmp_path,
-                                                                                  monkeypatch):
+def test_a_run_is_written_as_a_dated_study_with_its_settings(tmp_path, monkeypatch):
     import benchmarks.side_by_side as side_by_side
 
     monkeypatch.setattr(side_by_side, "ROOT", tmp_path)
-    (tmp_path / "docs").mkdir()
-    doc = tmp_path / "docs" / "side-by-side.md"
     results = {"config": "configs/r.yaml", "train_conversations": 354, "epochs": 1,
                "cpu": "2 x CPU", "torch_threads": 2, "questions": 20, "max_new_tokens": 256,
-               "k": 4}
-    doc.write_text("# Side by side\n\nsummary kept by hand\n\n"
-                   "## configs/r.yaml: 354 training conversations, 1 epoch (ours alone)\n\n"
-                   "prose kept\n\n"
-                   "## configs/r.yaml: 354 training conversations, 1 epoch\n\nold table\n")
-    side_by_side.write_docs(results, "new table", ["--epochs", "1"])
+               "k": 4, "kind": "dflash"}
+    doc = side_by_side.write_docs(results, "new table", ["--epochs", "1"], today="2026-12-07")
+    assert doc == tmp_path / "docs" / "results" / "2026-12-07-side-by-side-r-354-1-epochs.md"
     text = doc.read_text()
-    assert text.startswith("# Side by side\n\nsummary kept by hand\n\n## ")
-    assert "1 epoch (ours alone)\n\nprose kept\n" in text
-    assert "old table" not in text and text.endswith("\nnew table\n")
-    assert text.count("## configs/r.yaml: 354 training conversations, 1 epoch\n") == 1
-
-    side_by_side.write_docs(results, "newer table", ["--epochs", "1"])  # again: replaced
-    again = doc.read_text()
-    assert again == text.replace("new table", "newer table")
-
-    doc.unlink()  # a new doc opens with the steps and the settings lists
-    side_by_side.write_docs(results, "new table", ["--epochs", "1"])
-    fresh = doc.read_text()
-    assert fresh.startswith("# Side by side with the field's trainers\n\nThe recipe's")
-    assert "\nSteps, each resumed" in fresh
-    assert "EAGLE-3, matched:" in fresh and "DFlash, not matched:" in fresh
+    assert text.startswith("# Side by side: configs/r.yaml, 354 training conversations, 1 epoch\n")
+    assert "2 x CPU; 2 torch threads; commit" in text and "new table" in text
+    assert "DFlash, matched:" in text and "DFlash, not matched:" in text
+    variant = side_by_side.write_docs({**results, "variant": "lr", "overrides": ["x=1"]},
+                                      "table", [], today="2026-12-07")
+    assert variant.name.endswith("-1-epochs-lr.md") and doc.read_text() == text

@@ -58,7 +58,8 @@ def estimate(sizing: Sizing) -> StagePlan:
     disk, fixes = {}, {}
     if t.target_features == "offline" and shape.feature_bytes:
         disk["features"] = n * min(per_conversation, t.max_seq_len) * shape.feature_bytes
-        fixes["features"] = "train.target_features=online (no dump: a target forward per batch), or "
+        fixes["features"] = ("train.target_features=online (no dump: a target forward per "
+                             "batch), or ")
         notes.append(f"offline features: {shape.feature_bytes:,} bytes per token")
     if sizing.on_cpu:
         seconds = train_tokens / CPU_TRAIN_TOKENS_S * max(1.0, active / 1.35e8)

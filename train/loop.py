@@ -20,9 +20,9 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -47,6 +47,7 @@ from decoding.acceptance import (
 from drafts import TargetHidden, check_train_config
 from drafts.vocabulary import logits_on_rows, vocabulary_line
 from recipe import Config, ConfigError, TrainConfig
+from recipe.config import with_current_names
 from runfolder import identity_differences, run_folder, train_record, write_train_record
 from train.data import (
     Batch,
@@ -157,16 +158,16 @@ def target_logits(target, batch: Batch, hidden: TargetHidden | None = None,
     return (head(last) if rows is None else logits_on_rows(head, last, rows)).float()
 
 
-def slot_loss(cfg: TrainConfig, model, slots, draft_logits: torch.Tensor,
+def weighted_loss(cfg: TrainConfig, model, runs, draft_logits: torch.Tensor,
               p_logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over the slots of weight * the divergence of each draft row from the target's
+    """Sum over the LossRows of weight * the divergence of each draft row from the target's
     distribution (and label) at the loss position it is scored against, in the draft's
     vocabulary (model.restrict). -> [] (a sum)."""
     p_logits, labels = _unwrap(model).restrict(p_logits, labels)
     total = draft_logits.new_zeros(())
-    for slot, q in zip(slots, split(draft_logits, slots)):
-        total = total + slot.weight * divergence(
-            cfg.loss_terms, slot.pick(p_logits), q, slot.pick(labels), beta=cfg.jsd_beta,
+    for run, q in zip(runs, split(draft_logits, runs)):
+        total = total + run.weight * divergence(
+            cfg.loss_terms, run.pick(p_logits), q, run.pick(labels), beta=cfg.jsd_beta,
             temperature=cfg.temperature).sum()
     return total
 
@@ -288,7 +289,7 @@ def _resume_check(checkpoint: Path, cfg: Config, processes: int | None = None) -
         return {"model": c["model"], "seed": c["run"]["seed"],
                 "train": {k: v for k, v in c["train"].items() if k not in RESUMABLE_CHANGES}}
 
-    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    saved = with_current_names(yaml.safe_load((checkpoint / "config.yaml").read_text()))
     diffs = identity_differences(trajectory(saved), trajectory(cfg.to_dict()))
     if diffs:
         raise ConfigError(
@@ -378,17 +379,17 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
     walk_steps, walk_accepted = 0, [0] * k
     for batch in batches:
         batch = batch.to(device)
-        pred, slots = batch.pred_mask, trained.slots(batch.pred_mask)
+        pred, runs = batch.pred_mask, trained.loss_rows(batch.pred_mask)
         hidden = target_hidden(target, batch) if hidden_of is None else hidden_of(batch)
         q_logits = model(batch.input_ids, batch.attention_mask, pred, hidden).float()  # [M, Vd]
         p_logits = target_logits(target, batch, hidden)  # [N, V]
-        loss_sum += float(slot_loss(cfg, model, slots, q_logits, p_logits, batch.labels))
+        loss_sum += float(weighted_loss(cfg, model, runs, q_logits, p_logits, batch.labels))
         tokens += batch.loss_tokens
         q_full = trained.expand(q_logits)  # [M, V]: acceptance is against the full target
         for mode in sums:
             values = [match_probability(s.pick(p_logits), q, greedy=mode == "greedy")
-                      for s, q in zip(slots, split(q_full, slots))]
-            grid, valid = (t.cpu() for t in acceptance_grid(values, slots, pred, k))
+                      for s, q in zip(runs, split(q_full, runs))]
+            grid, valid = (t.cpu() for t in acceptance_grid(values, runs, pred, k))
             chain, n = chain_sums(grid, valid)
             sums[mode] += chain
             if mode == "greedy" and walk_steps is not None:
@@ -410,7 +411,7 @@ def evaluate_held_out(model, target, batches: list[Batch], cfg: TrainConfig,
 
 
 def _unwrap(model):
-    """The module under DDP/DeepSpeed wrappers (for slots(), which is not a forward)."""
+    """The module under DDP/DeepSpeed wrappers (for loss_rows(), which is not a forward)."""
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -647,13 +648,13 @@ def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batc
     loss_sum, grad_norm = 0.0, None
     for micro_step, batch in enumerate(batches):
         with accelerator.accumulate(model):
-            pred, slots = batch.pred_mask, _unwrap(model).slots(batch.pred_mask)
+            pred, runs = batch.pred_mask, _unwrap(model).loss_rows(batch.pred_mask)
             hidden, p_logits = signal(batch)
             if tcfg.feature_noise:  # seeded by the micro-batch: a resumed run adds the same
                 p = (state.optimizer_step * G + micro_step) * world + dist.rank
                 hidden = noisy_features(hidden, tcfg.feature_noise, cfg.run.seed, p)
             draft_logits = model(batch.input_ids, batch.attention_mask, pred, hidden)
-            loss = slot_loss(tcfg, model, slots, draft_logits, p_logits, batch.labels)
+            loss = weighted_loss(tcfg, model, runs, draft_logits, p_logits, batch.labels)
             if dist.sum(float(not torch.isfinite(loss))) > 0:
                 raise TrainingDiverged(
                     f"the loss is {loss.item()} at optimizer_step {state.optimizer_step + 1} "

@@ -25,7 +25,7 @@ from torch import nn
 
 from drafts.eagle3.head import default_aux_layers, rotate_half
 from drafts.folders import load_folder, save_folder
-from drafts.kind import SameVocabulary, Slot, TargetHidden
+from drafts.kind import LossRows, SameVocabulary, TargetHidden
 from drafts.parallel import block_attention, block_plan
 from recipe import ConfigError
 
@@ -303,8 +303,8 @@ class DFlashForTraining(SameVocabulary, nn.Module):
     def plan(self, pred_mask):
         return block_plan(pred_mask, self.lm.block_size, self.starts_per_row)
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
-        return self.plan(pred_mask).slots(pred_mask, self.decay)
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]:
+        return self.plan(pred_mask).loss_rows(pred_mask, self.decay)
 
     def forward(self, input_ids, attention_mask, pred_mask,
                 target_hidden: TargetHidden | None = None):

@@ -181,7 +181,7 @@ def check_mlp_width(width: int, target_width: int) -> None:
     units."""
     if width < target_width:
         raise ConfigError(f"EAGLE-3 head init 'target' copies the target's MLP of {target_width} "
-                          f"units into one of {width}: set train.eagle_intermediate_size >= "
+                          f"units into one of {width}: set train.eagle3.intermediate_size >= "
                           f"{target_width}, or null.")
 
 
@@ -192,9 +192,9 @@ def check_target_init_layers(aux_layer: int, layers: int, target_layers: int) ->
         raise ConfigError(f"EAGLE-3 head init 'target' copies the target's decoder layers "
                           f"{aux_layer}..{aux_layer + layers - 1} (from the highest aux layer, "
                           f"{aux_layer}) into a head of {layers} layers, but the target has "
-                          f"{target_layers}: lower train.eagle_layers to "
+                          f"{target_layers}: lower train.eagle3.layers to "
                           f"{max(target_layers - aux_layer, 1)} or the highest of "
-                          f"train.eagle_aux_layers to {max(target_layers - layers, 0)}.")
+                          f"train.aux_layers to {max(target_layers - layers, 0)}.")
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Training an EAGLE-3 head: the training-time test (the head fed its own outputs for
-train.ttt_steps steps, with the attention it has in serving) and the module the loop trains."""
+train.eagle3.ttt_steps steps, with the attention it has in serving) and the module the loop
+trains."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 
 from drafts.eagle3.head import Eagle3Head, draft_index, repeat_kv
-from drafts.kind import Slot, TargetHidden, chain_slots
+from drafts.kind import LossRows, TargetHidden, chain_loss_rows
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,8 +71,8 @@ def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
 
 class Eagle3ForTraining(nn.Module):
     """An EAGLE-3 head under the training-time test: `steps` unrolled draft steps, step j's
-    output at start s scored as draft position j+1 against the target at s + j + 1 (the slots of
-    chain_slots), over the draft vocabulary.
+    output at start s scored as draft position j+1 against the target at s + j + 1 (the rows of
+    chain_loss_rows), over the draft vocabulary.
 
     The loss compares the draft with the target's distribution restricted to the draft
     vocabulary and renormalised there (softmax of the target's logits at those Vd ids), and CE
@@ -85,8 +86,8 @@ class Eagle3ForTraining(nn.Module):
         self.lm, self.steps, self.decay = head, steps, decay
         self.aux_layers = head.aux_layers
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
-        return chain_slots(pred_mask, self.steps, self.decay)
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]:
+        return chain_loss_rows(pred_mask, self.steps, self.decay)
 
     def forward(self, input_ids, attention_mask, pred_mask,
                 target_hidden: TargetHidden | None = None):
@@ -94,7 +95,7 @@ class Eagle3ForTraining(nn.Module):
         outputs = unroll(self.lm, target_hidden.embeds.to(dtype), target_hidden.aux.to(dtype),
                          attention_mask, self.steps)  # steps x [B, T, H]
         return torch.cat([self.lm.logits(outputs[s.position - 1][s.starts[:, 0], s.starts[:, 1]])
-                          for s in self.slots(pred_mask)])  # [M, Vd]
+                          for s in self.loss_rows(pred_mask)])  # [M, Vd]
 
     @property
     def target_rows(self) -> torch.Tensor:

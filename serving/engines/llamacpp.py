@@ -176,7 +176,7 @@ class LlamaCppEngine:
             raise ConfigError(f"--format gguf: the EAGLE-3 head in {draft_folder} has {layers} "
                               f"decoder layers and llama.cpp {VERSION} builds EAGLE-3 heads of "
                               "one (its eagle3 graph asserts n_layer == 1). Export it with "
-                              "--format vllm, or train it with train.eagle_layers=1.")
+                              "--format vllm, or train it with train.eagle3.layers=1.")
         resolved = resolve_target(cfg.model)
         kind.check_export(draft_folder, k, target_shape(resolved.path))
         out = Path(out or run_folder(cfg).export / f"{kind.name}-gguf")

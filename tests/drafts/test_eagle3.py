@@ -24,7 +24,7 @@ from drafts.eagle3 import (
     unroll,
     vocab_maps,
 )
-from recipe import ConfigError
+from recipe import ConfigError, Eagle3Config
 from tests.decoding.test_engine import _prompts
 from tests.decoding.test_tree import candidate_path
 from tests.helpers import assert_same_state, logged_chains, tiny_llama
@@ -244,7 +244,7 @@ def test_a_compiled_step_that_cannot_compile_names_the_fix(target, tmp_path, mon
 
 def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
     from recipe import TrainConfig
-    from train.loop import slot_loss
+    from train.loop import weighted_loss
 
     head = _head(target).train()
     model = Eagle3ForTraining(head, steps=3, decay=0.8)
@@ -254,13 +254,13 @@ def test_training_time_test_lowers_the_loss_on_a_tiny_model(target):
     batch = collate(examples, 0, 64)
     features = target_hidden(target, batch, AUX)
     p_logits = target.lm_head(features.last[batch.pred_mask]).detach()
-    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=3, ttt_steps=3)
+    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=3, eagle3=Eagle3Config(ttt_steps=3))
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for _ in range(30):
-        slots = model.slots(batch.pred_mask)
+        slots = model.loss_rows(batch.pred_mask)
         logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, features)
-        loss = slot_loss(cfg, model, slots, logits, p_logits, batch.labels)
+        loss = weighted_loss(cfg, model, slots, logits, p_logits, batch.labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -473,21 +473,22 @@ def test_the_target_init_computes_the_targets_layer_on_its_feature(target, width
     out = unroll(two, target.get_input_embeddings()(ids), aux_features(hs, [0, 1, 1]),
                  torch.ones_like(ids), steps=1)[0]
     torch.testing.assert_close(out, hs[3], atol=1e-5, rtol=1e-5)  # layers 1 and 2
-    with pytest.raises(ConfigError, match="lower train.eagle_layers to 1 or the highest of "
-                                          "train.eagle_aux_layers to 2"):
+    with pytest.raises(ConfigError, match="lower train.eagle3.layers to 1 or the highest of "
+                                          "train.aux_layers to 2"):
         Eagle3Head.from_target(target, AUX, torch.arange(VOCAB), init="target", layers=2)
-    deep = TrainConfig(draft="eagle3", head_init="target", ttt_steps=4, eagle_aux_layers=AUX,
-                       eagle_layers=2)
-    with pytest.raises(ConfigError, match="lower train.eagle_layers"):  # before any stage
+    deep = TrainConfig(draft="eagle3", head_init="target", aux_layers=AUX,
+                       eagle3=Eagle3Config(ttt_steps=4, layers=2))
+    with pytest.raises(ConfigError, match="lower train.eagle3.layers"):  # before any stage
         Eagle3().check_target(deep, 4, target.config.to_dict())
     with pytest.raises(ConfigError, match="'random' or 'target'"):
         Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="layer")
-    with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):
+    with pytest.raises(ConfigError, match="eagle3.intermediate_size >= "):
         Eagle3Head.from_target(target, [0, 1, 2], torch.arange(VOCAB), init="target",
                                intermediate_size=target.config.intermediate_size - 1)
-    narrow = TrainConfig(draft="eagle3", head_init="target", ttt_steps=4, eagle_aux_layers=AUX,
-                         eagle_intermediate_size=target.config.intermediate_size - 1)
-    with pytest.raises(ConfigError, match="eagle_intermediate_size >= "):  # before any stage
+    narrow = TrainConfig(draft="eagle3", head_init="target", aux_layers=AUX,
+                         eagle3=Eagle3Config(ttt_steps=4,
+                                             intermediate_size=target.config.intermediate_size - 1))
+    with pytest.raises(ConfigError, match="eagle3.intermediate_size >= "):  # before any stage
         Eagle3().check_target(narrow, 4, target.config.to_dict())
 
 
@@ -509,13 +510,13 @@ def test_a_train_key_only_other_kinds_read_is_refused_by_the_kind():
 
     for draft, key, value, readers in [
             ("medusa:3", "feature_noise", 0.2, "['eagle3', 'dflash']"),
-            ("dflash:2", "ttt_steps", 2, "['eagle3']"),
+            ("dflash:2", "eagle3", Eagle3Config(ttt_steps=2), "['eagle3']"),
             ("layer-truncated:2", "block_size", 3, "['dflash', 'pard']"),
             ("eagle3", "mask_token_id", 5, "['dflash', 'pard']")]:
         with pytest.raises(ConfigError, match=rf"train.{key}=.* read by {re.escape(readers)}"):
             check_train_config(TrainConfig(draft=draft, **{key: value}))
     check_train_config(TrainConfig(draft="eagle3", feature_noise=0.2, head_init="target",
-                                   ttt_steps=4, eval_k=4))  # its own keys pass
+                                   eagle3=Eagle3Config(ttt_steps=4), eval_k=4))  # its own keys pass
     with pytest.raises(ConfigError, match="feature_noise=-0.1 must be >= 0"):
         check_train_config(TrainConfig(draft="dflash:2", feature_noise=-0.1))
     with pytest.raises(ConfigError, match="block_size=0 must be >= 1"):
@@ -542,7 +543,7 @@ def test_target_logits_on_the_draft_vocabulary_alone_give_the_same_loss(target):
     from contextlib import nullcontext
 
     from recipe import load_config
-    from train.loop import TargetSignal, slot_loss, target_logits
+    from train.loop import TargetSignal, target_logits, weighted_loss
 
     head = _head(target, draft_size=40)
     model = Eagle3ForTraining(head, steps=3, decay=0.8)
@@ -559,7 +560,8 @@ def test_target_logits_on_the_draft_vocabulary_alone_give_the_same_loss(target):
     for p_logits in (on_rows, full):
         head.zero_grad()
         q = model(batch.input_ids, batch.attention_mask, batch.pred_mask, hidden)
-        loss = slot_loss(tcfg, model, model.slots(batch.pred_mask), q, p_logits, batch.labels)
+        loss = weighted_loss(tcfg, model, model.loss_rows(batch.pred_mask), q, p_logits,
+                             batch.labels)
         loss.backward()
         grads.append((float(loss.detach()), head.fc.weight.grad.clone()))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-5)
@@ -571,7 +573,7 @@ def test_the_greedy_walk_predicts_exactly_what_the_engine_counts(target):
     engine's drafting steps and accepted-per-position counters (the head is fitted a little to
     these replies so that it both accepts and rejects)."""
     from recipe import TrainConfig
-    from train.loop import evaluate_held_out, slot_loss
+    from train.loop import evaluate_held_out, weighted_loss
 
     k = 3
     _, ids, mask = _prompts([5, 11, 8])
@@ -585,14 +587,14 @@ def test_the_greedy_walk_predicts_exactly_what_the_engine_counts(target):
 
     head = _head(target).train()
     model = Eagle3ForTraining(head, steps=k, decay=0.8)
-    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=k, ttt_steps=k)
+    cfg = TrainConfig(draft="eagle3", loss="fkl", eval_k=k, eagle3=Eagle3Config(ttt_steps=k))
     batch = collate(examples_of(plain.tokens), 0, 128)
     features = target_hidden(target, batch, AUX)
     p_logits = target.lm_head(features.last[batch.pred_mask]).detach()
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(25):
         logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, features)
-        loss = slot_loss(cfg, model, model.slots(batch.pred_mask), logits, p_logits,
+        loss = weighted_loss(cfg, model, model.loss_rows(batch.pred_mask), logits, p_logits,
                          batch.labels)
         optimizer.zero_grad()
         loss.backward()

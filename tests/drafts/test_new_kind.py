@@ -14,7 +14,7 @@ from torch import nn
 from decoding.speculative import sampling_probs
 from drafts import registry
 from drafts.folders import load_folder, save_folder
-from drafts.kind import LoadedDraft, SameVocabulary, Slot
+from drafts.kind import LoadedDraft, LossRows, SameVocabulary
 from recipe import ConfigError, TrainConfig
 from tests.helpers import reference_tau
 from train import accelerator_kwargs, train_draft
@@ -41,8 +41,8 @@ class UnigramForTraining(SameVocabulary, nn.Module):
         super().__init__()
         self.lm = draft
 
-    def slots(self, pred_mask):
-        return [Slot(int(pred_mask.sum()), None, None, None)]
+    def loss_rows(self, pred_mask):
+        return [LossRows(int(pred_mask.sum()), None, None, None)]
 
     def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
         return self.lm.logits.expand(int(pred_mask.sum()), -1)  # [N, V]

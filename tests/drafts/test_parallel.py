@@ -62,7 +62,7 @@ def test_a_block_plan_starts_where_its_first_draft_position_is_scored():
     assert plan.valid.tolist() == [[True, True, True], [True, True, False]]
     # draft position 2 of start s is scored at s + 2: row 0 -> 3, 4 yes, 5 no
     assert plan.scored[1].tolist() == [[True, True, False], [True, False, False]]
-    slots = plan.slots(pred, decay=0.5)
+    slots = plan.loss_rows(pred, decay=0.5)
     assert [s.count for s in slots] == [5, 3] and [s.weight for s in slots] == [1.0, 0.5]
     # rows index the N = 5 loss positions row-major: (0,2) (0,3) (0,4) (1,1) (1,2)
     assert slots[0].rows.tolist() == [0, 1, 2, 3, 4]
@@ -153,7 +153,7 @@ def test_dflash_trains_on_exactly_what_it_serves(target, dflash):
     wrapped = DFlashForTraining(dflash, 0.8, 0)
     with torch.no_grad():
         logits = wrapped(ids, attention, pred, _hidden(target, ids, dflash.aux_layers))
-    slots = wrapped.slots(pred)
+    slots = wrapped.loss_rows(pred)
     assert logits.shape[0] == sum(s.count for s in slots)
     start = 5  # the engine after the prompt x_0..x_5 with x_6 pending
     draft = DFlashDraft(dflash, target.get_input_embeddings())
@@ -172,7 +172,7 @@ def test_pard_trains_on_exactly_what_it_serves(vocabulary):
     wrapped = PardForTraining(lm, K, 0.8, 0, MASK)
     with torch.no_grad():
         logits = wrapped.expand(wrapped(ids, attention, pred))
-    slots = wrapped.slots(pred)
+    slots = wrapped.loss_rows(pred)
     assert logits.shape[0] == sum(s.count for s in slots)
     draft = ParallelModelDraft(lm, MASK)
     draft.start(ids[:1, :6], attention[:1, :6], ids[:1, 6])

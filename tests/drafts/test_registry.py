@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from drafts import KINDS, check_train_config, kind_of
-from recipe import ConfigError, TrainConfig, load_config
+from recipe import ConfigError, Eagle3Config, TrainConfig, load_config
 
 RECIPES = sorted(Path("configs").glob("*.yaml"))
 
@@ -51,7 +51,8 @@ def test_every_recipe_loads_and_passes_its_kinds_checks(recipe):
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"draft": "prompt-lookup"}, "nothing to train"),
     ({"draft": "eagle"}, "the EAGLE-3 head is 'eagle3'"),
-    ({"draft": "eagle3", "ttt_steps": 2, "eval_k": 3}, "raise ttt_steps"),
+    ({"draft": "eagle3", "eagle3": Eagle3Config(ttt_steps=2), "eval_k": 3},
+     "raise train.eagle3.ttt_steps"),
     ({"draft": "eagle3", "lora_rank": 4}, "train.lora_rank=0"),
     ({"draft": "layer-truncated:zero"}, "expected a positive integer"),
     ({"draft": "fresh:2x0"}, "expected a positive integer"),

@@ -1,10 +1,11 @@
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from recipe import Config, ConfigError, load_config
-from recipe.config import parse_overrides
+from recipe import Config, ConfigError, Eagle3Config, load_config
+from recipe.config import RENAMED, parse_overrides
 from tests.helpers import ROOT, recipes
 
 RECIPE = ROOT / "configs" / "smollm2-135m-independent.yaml"
@@ -115,3 +116,44 @@ def test_tests_write_under_a_temporary_cache(temporary_cache):
 def test_every_embedded_recipe_loads_with_the_auto_backend(recipe):
     cfg = load_config(recipe)
     assert cfg.generation.backend == "auto" and cfg.generation.batch_size is None
+
+
+@pytest.mark.parametrize("old,new", sorted(RENAMED.items()))
+def test_a_renamed_key_is_refused_naming_its_new_name(old, new, tmp_path):
+    with pytest.raises(ConfigError, match=rf"{re.escape(old)} \(command line\) is now "
+                                          rf"{re.escape(new)}"):
+        load_config(None, [f"{old}=1"])
+    section, _, name = old.partition(".")
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"{section}:\n  {name}: 1\n")
+    with pytest.raises(ConfigError, match=rf"is now {re.escape(new)}"):
+        load_config(recipe)
+
+
+def test_a_group_of_keys_reads_as_a_mapping_or_key_by_key(tmp_path):
+    recipe = tmp_path / "grouped.yaml"
+    recipe.write_text("train:\n  draft: eagle3\n  eagle3:\n    ttt_steps: 3\n    layers: 2\n")
+    cfg = load_config(recipe, ["train.eagle3.intermediate_size=64"])
+    assert cfg.train.eagle3 == Eagle3Config(ttt_steps=3, intermediate_size=64, layers=2)
+    assert cfg.to_dict()["train"]["eagle3"] == {"ttt_steps": 3, "intermediate_size": 64,
+                                                "layers": 2}
+    saved = tmp_path / "resolved.yaml"
+    cfg.save(saved)
+    assert load_config(saved) == cfg  # the resolved config reads back, groups included
+    for override, message in [("train.eagle3=2", "is a group of keys"),
+                              ("train.eagle3.depth=2", "valid keys of 'train.eagle3'"),
+                              ("train.draft.x=1", "is a single value")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [override])
+
+
+def test_a_config_saved_before_the_renames_reads_under_todays_names():
+    from recipe.config import with_current_names
+
+    now = load_config(None, ["train.draft=eagle3", "train.eagle3.ttt_steps=3",
+                             "train.position_decay=0.7"]).to_dict()
+    before = {**now, "train": {k: v for k, v in now["train"].items()
+                               if k not in ("eagle3", "position_decay", "aux_layers")}}
+    before["train"].update(ttt_steps=3, eagle_intermediate_size=None, eagle_layers=1,
+                           head_decay=0.7, eagle_aux_layers=None)
+    assert with_current_names(before) == now

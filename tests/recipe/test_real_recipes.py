@@ -40,8 +40,8 @@ def test_a_real_recipe_fits_its_targets_published_config(recipe):
         assert cfg.train.draft_vocab_size < facts.vocab
     if kind.name == "dflash":
         assert cfg.eval.k == cfg.train.block_size
-        assert all(1 <= i < facts.layers for i in cfg.train.eagle_aux_layers)
-    assert cfg.eval.k <= max(cfg.train.ttt_steps, cfg.train.block_size)
+        assert all(1 <= i < facts.layers for i in cfg.train.aux_layers)
+    assert cfg.eval.k <= max(cfg.train.eagle3.ttt_steps, cfg.train.block_size)
     assert cfg.model.dtype == facts.config["torch_dtype"]
     assert cfg.generation.backend == "vllm" and cfg.generation.vllm_tensor_parallel_size == 1
     assert cfg.train.target_features == "online" and cfg.train.mixed_precision == "bf16"
@@ -67,7 +67,7 @@ def test_a_real_recipe_says_how_to_plan_and_launch_it(recipe):
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("train.eagle_aux_layers=[2,16,32]", r"must lie in \[0, 31\]"),
+    ("train.aux_layers=[2,16,32]", r"must lie in \[0, 31\]"),
     ("train.draft_vocab_size=200000", "exceeds the target's vocabulary of 128256"),
 ])
 def test_an_eagle3_recipe_beyond_the_target_is_refused_at_config_load(override, message):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from recipe import DecodeSettings, load_config
+from recipe import DecodeSettings, Eagle3Config, load_config
 from serving.engines.llamacpp import LlamaCppEngine
 from serving.engines.vllm import VLLM
 from serving.export import export_draft
@@ -71,12 +71,12 @@ def _own_answers(recipe: str, out, tokenizer):
 
 def _fit(model, tcfg, batch, features, p_logits, lr: float, steps: int = 60) -> None:
     """A few AdamW steps of the training loop's slot loss on one batch (trainable weights)."""
-    from train.loop import slot_loss
+    from train.loop import weighted_loss
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     for _ in range(steps):
-        slots = model.slots(batch.pred_mask)
-        loss = slot_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
+        slots = model.loss_rows(batch.pred_mask)
+        loss = weighted_loss(tcfg, model, slots, model(batch.input_ids, batch.attention_mask,
                                                    batch.pred_mask, features),
                          p_logits, batch.labels)
         optimizer.zero_grad()
@@ -158,8 +158,8 @@ def _eagle_run(tmp_path_factory, smollm2_tokenizer, layers: int):
     torch.manual_seed(0)
     head = Eagle3Head.from_target(target, aux, most_frequent_ids(counts, 2048), layers=layers)
     _fit(Eagle3ForTraining(head, steps=3, decay=0.8),
-         TrainConfig(draft="eagle3", loss="fkl", ttt_steps=3, eval_k=3), batch, features,
-         p_logits, lr=3e-3)
+         TrainConfig(draft="eagle3", loss="fkl", eagle3=Eagle3Config(ttt_steps=3), eval_k=3),
+         batch, features, p_logits, lr=3e-3)
     head.eval().save_pretrained(out / "train" / "draft")
     return cfg, export_draft(cfg, k=3)
 

@@ -380,7 +380,7 @@ def test_cached_features_for_other_layers_are_refused(tiny_run):
     shutil.rmtree(cfg.run.output_path / "train")  # a new head, on the old features folder
     with pytest.raises(ConfigError, match=r"aux_layers: cached \[0, 1, 1\], now \[0, 0, 1\]"):
         _train(tiny_run(*EAGLE3, "train.target_features=offline", "train.max_steps=2",
-                        "train.eagle_aux_layers=[0,0,1]"))
+                        "train.aux_layers=[0,0,1]"))
 
 
 def test_features_that_would_not_fit_on_the_disk_are_refused_before_writing(tiny_run,
@@ -396,7 +396,7 @@ def test_features_that_would_not_fit_on_the_disk_are_refused_before_writing(tiny
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("train.eagle_aux_layers=[0,1,2]", r"must lie in \[0, 1\]"),
+    ("train.aux_layers=[0,1,2]", r"must lie in \[0, 1\]"),
     ("train.draft_vocab_size=49153", "larger than the target's vocabulary"),
 ])
 def test_eagle3_bad_input_is_refused(tiny_run, override, message):
@@ -405,7 +405,7 @@ def test_eagle3_bad_input_is_refused(tiny_run, override, message):
 
 
 @pytest.mark.parametrize("kind", [
-    ("train.draft=dflash", "train.eagle_aux_layers=[1]", "train.block_size=3", "train.loss=fkl"),
+    ("train.draft=dflash", "train.aux_layers=[1]", "train.block_size=3", "train.loss=fkl"),
     ("train.draft=pard:layer-truncated:1", "train.block_size=3", "train.block_starts=4",
      "train.loss=fkl"),
 ], ids=["dflash", "pard"])

@@ -22,8 +22,8 @@ REFERENCE = Path(__file__).with_name("loss_curves.json")
 KINDS = {
     "independent": ("train.draft=layer-truncated:1", "train.loss=0.5*fkl+0.5*tvd"),
     "medusa": ("train.draft=medusa:3x1", "train.loss=fkl", "train.learning_rate=1e-2"),
-    "eagle3": ("train.draft=eagle3", "train.eagle_aux_layers=[0,1,1]",
-               "train.draft_vocab_size=1024", "train.ttt_steps=3", "train.loss=fkl"),
+    "eagle3": ("train.draft=eagle3", "train.aux_layers=[0,1,1]",
+               "train.draft_vocab_size=1024", "train.eagle3.ttt_steps=3", "train.loss=fkl"),
 }
 TOLERANCE = 3e-6
 """Relative to max(1, |value|). The curves are fp32 on one thread, yet CPUs differ in their

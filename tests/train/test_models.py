@@ -12,7 +12,7 @@ from torch import nn
 from decoding.acceptance import acceptance_grid, chain_sums, chained_acceptance
 from drafts import check_train_config
 from drafts.independent import DraftForTraining
-from drafts.kind import SameVocabulary, chain_slots
+from drafts.kind import SameVocabulary, chain_loss_rows
 from recipe import ConfigError, TrainConfig
 from train import accelerator_kwargs, train_draft
 
@@ -20,7 +20,7 @@ from train import accelerator_kwargs, train_draft
 def test_medusa_head_j_at_start_s_is_scored_at_loss_position_s_plus_j():
     pred_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
     loss_positions = pred_mask.nonzero().tolist()  # the N rows, row-major
-    slots = chain_slots(pred_mask, 3, decay=0.5)
+    slots = chain_loss_rows(pred_mask, 3, decay=0.5)
     assert [s.position for s in slots] == [1, 2, 3]
     assert [s.weight for s in slots] == [1.0, 0.5, 0.25]
     for slot in slots:
@@ -38,7 +38,7 @@ def test_independent_draft_grid_gives_the_sliding_window_chains():
     a = torch.rand(int(pred_mask.sum()), generator=g)
     per_position = torch.zeros(3, 12, dtype=torch.float64)
     per_position[pred_mask] = a.double()
-    slots = DraftForTraining(nn.Identity()).slots(pred_mask)
+    slots = DraftForTraining(nn.Identity()).loss_rows(pred_mask)
     grid, valid = acceptance_grid([a], slots, pred_mask, k=3)
     sums, windows = chain_sums(grid, valid)
     expected, expected_windows = chained_acceptance(per_position, pred_mask, 3)
@@ -56,13 +56,13 @@ class _OracleHeads(SameVocabulary, nn.Module):
         super().__init__()
         self.target, self.num_heads = target, num_heads
 
-    def slots(self, pred_mask):
-        return chain_slots(pred_mask, self.num_heads, 0.8)
+    def loss_rows(self, pred_mask):
+        return chain_loss_rows(pred_mask, self.num_heads, 0.8)
 
     def forward(self, input_ids, attention_mask, pred_mask, target_hidden=None):
         logits = self.target.lm_head(target_hidden.last)  # [B, T, V]
         return torch.cat([logits[s.starts[:, 0], s.starts[:, 1] + s.position]
-                          for s in self.slots(pred_mask)])
+                          for s in self.loss_rows(pred_mask)])
 
 
 def test_perfect_medusa_heads_are_predicted_to_reach_k_plus_one(tiny_run):
@@ -115,7 +115,7 @@ def test_medusa_heads_train_resume_and_save_in_vllm_layout(tiny_run):
     ({"draft": "medusa:4", "on_policy_fraction": 0.5}, "cannot sample on their own"),
     ({"draft": "medusa:4", "lora_rank": 8}, "set train.lora_rank=0"),
     ({"draft": "medusa:four"}, "expected 'medusa:<heads>'"),
-    ({"draft": "medusa:4", "head_decay": 0.0}, "train.head_decay=0.0"),
+    ({"draft": "medusa:4", "position_decay": 0.0}, "train.position_decay=0.0"),
 ])
 def test_bad_medusa_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -23,7 +23,7 @@ from decoding.speculative import draw, sampling_probs
 from decoding.tree import ancestor_mask, grow_tree
 from drafts.folders import read_config
 from drafts.fused import CompiledSteps
-from drafts.kind import LoadedDraft, Slot, TargetHidden, TrainingShape, micro_batch_tokens
+from drafts.kind import LoadedDraft, LossRows, TargetHidden, TrainingShape, micro_batch_tokens
 from drafts.slot_lm import FusedDecoder, SlotLM
 from drafts.vocabulary import DraftVocabulary, frequent_labels, logits_on_rows
 from recipe import ConfigError, TrainConfig
@@ -226,8 +226,8 @@ class DraftForTraining(LMHead, nn.Module):
         self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap units
         self.vocabulary = draft_vocabulary(lm)
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
-        return [Slot(int(pred_mask.sum()), None, None, None)]
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]:
+        return [LossRows(int(pred_mask.sum()), None, None, None)]
 
     def forward(self, input_ids, attention_mask, pred_mask,
                 target_hidden: TargetHidden | None = None):

@@ -33,11 +33,11 @@ from drafts.independent import (
 )
 from drafts.kind import (
     LoadedDraft,
-    Slot,
+    LossRows,
     TargetHidden,
     TrainingShape,
     block_rows,
-    chain_slots,
+    chain_loss_rows,
     check_blocks,
 )
 from drafts.parallel import block_plan, check_mask_token, pard_layout, resolve_mask_token
@@ -64,8 +64,8 @@ class PardForTraining(LMHead, nn.Module):
     def plan(self, pred_mask):
         return block_plan(pred_mask, self.k, self.starts_per_row)
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
-        return chain_slots(pred_mask, 1, 1.0) + self.plan(pred_mask).slots(
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]:
+        return chain_loss_rows(pred_mask, 1, 1.0) + self.plan(pred_mask).loss_rows(
             pred_mask, self.decay, first=2)
 
     def forward(self, input_ids, attention_mask, pred_mask,
@@ -75,7 +75,7 @@ class PardForTraining(LMHead, nn.Module):
         hidden = self.lm.get_decoder()(input_ids=ids, attention_mask=mask,
                                        position_ids=positions).last_hidden_state
         first = pred_mask.clone()
-        first[:, 0] = False  # position 1 of start t-1 needs t >= 1 (chain_slots' rows)
+        first[:, 0] = False  # position 1 of start t-1 needs t >= 1 (chain_loss_rows' rows)
         rows = [hidden[:, :length][first]]  # [n_1, H]
         if self.k > 1:
             masks = hidden[:, length:].view(*plan.starts.shape, self.k - 1, -1)  # [B, S, k-1, H]
@@ -141,7 +141,7 @@ class Pard:
     """An independent draft LM trained to fill k-1 mask tokens after its context."""
 
     name, description = "pard", "a PARD parallel draft model"
-    train_keys = ("head_decay", "block_size", "block_starts", "mask_token_id",
+    train_keys = ("position_decay", "block_size", "block_starts", "mask_token_id",
                   "draft_vocab_size")
     target_layers, target_architecture = False, True
     one_layer_draft = 'pard:layer-truncated:1'
@@ -205,7 +205,7 @@ class Pard:
         Independent().freeze(draft, self._inner(cfg))
 
     def wrap(self, draft, cfg: TrainConfig) -> PardForTraining:
-        return PardForTraining(draft, cfg.block_size, cfg.head_decay, cfg.block_starts,
+        return PardForTraining(draft, cfg.block_size, cfg.position_decay, cfg.block_starts,
                                draft.config.pard_token)
 
     def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:

@@ -6,7 +6,7 @@ followed by an lm_head over the target's vocabulary. No draft KV cache: a chain 
 tokens costs the heads once per step.
 
 Trained on the target's features at every loss position (head j scored as draft position j of
-the chain that starts there, weighted train.head_decay**(j-1)). Saved in vLLM's layout (`model_type: medusa`, `MedusaModel`, `blocks.{h}.layers.{l}.weight`,
+the chain that starts there, weighted train.position_decay**(j-1)). Saved in vLLM's layout (`model_type: medusa`, `MedusaModel`, `blocks.{h}.layers.{l}.weight`,
 `lm_heads.{h}.weight`), so the trained folder is what `--speculative-config '{"method":
 "medusa", ...}'` loads.
 """
@@ -22,12 +22,12 @@ from decoding.speculative import draw, sampling_probs
 from drafts.folders import load_folder, save_folder
 from drafts.kind import (
     LoadedDraft,
+    LossRows,
     SameVocabulary,
-    Slot,
     TargetHidden,
     TrainingShape,
-    chain_slots,
-    check_head_decay,
+    chain_loss_rows,
+    check_position_decay,
     micro_batch_tokens,
 )
 from recipe import ConfigError, TrainConfig
@@ -172,13 +172,13 @@ class MedusaDraft:
 
     def accept(self, num_accepted, next_token, target_hidden=None, path=None):
         rows = torch.arange(num_accepted.shape[0], device=num_accepted.device)
-        # chunk = [pending, d_1..d_k]; slot n (the last accepted) produced next_token
+        # chunk = [pending, d_1..d_k]; position n (the last accepted) produced next_token
         self.hidden = target_hidden[-1][rows, num_accepted]  # [B, H]
 
 
 class MedusaForTraining(SameVocabulary, nn.Module):
     """Medusa heads on the frozen target's post-norm last hidden state [B, T, H]: for each head
-    its logits at the starts chain_slots gives, concatenated -> [M, V]."""
+    its logits at the starts chain_loss_rows gives, concatenated -> [M, V]."""
 
     needs_target_hidden = True
     aux_layers = None
@@ -187,16 +187,16 @@ class MedusaForTraining(SameVocabulary, nn.Module):
         super().__init__()
         self.lm, self.decay = heads, decay  # `lm`: the trained module, as for every kind
 
-    def slots(self, pred_mask: torch.Tensor) -> list[Slot]:
-        return chain_slots(pred_mask, self.lm.num_heads, self.decay)
+    def loss_rows(self, pred_mask: torch.Tensor) -> list[LossRows]:
+        return chain_loss_rows(pred_mask, self.lm.num_heads, self.decay)
 
     def forward(self, input_ids, attention_mask, pred_mask,
                 target_hidden: TargetHidden | None = None):
         dtype = self.lm.lm_heads[0].weight.dtype
-        logits = [self.lm.head_logits(slot.position - 1,
-                                      target_hidden.last[slot.starts[:, 0],
-                                                         slot.starts[:, 1]].to(dtype))
-                  for slot in self.slots(pred_mask)]
+        logits = [self.lm.head_logits(run.position - 1,
+                                      target_hidden.last[run.starts[:, 0],
+                                                         run.starts[:, 1]].to(dtype))
+                  for run in self.loss_rows(pred_mask)]
         return torch.cat(logits)  # [M, V]
 
 
@@ -204,7 +204,7 @@ class Medusa:
     """train.draft='medusa:<heads>[x<layers>]'; a folder with model_type 'medusa'."""
 
     name, description, formats = "medusa", "Medusa heads", ("vllm",)
-    train_keys = ("head_decay",)
+    train_keys = ("position_decay",)
     target_layers, target_architecture = False, False
     one_layer_draft = None
     hf_assistant, quantised_weights = False, False
@@ -227,7 +227,7 @@ class Medusa:
 
     def check_train(self, cfg: TrainConfig) -> None:
         heads, _ = self.shape(cfg.draft)
-        check_head_decay(cfg)
+        check_position_decay(cfg)
         if cfg.on_policy_fraction > 0:
             raise ConfigError("Medusa heads cannot sample on their own (they need the "
                               "target's hidden states): set train.on_policy_fraction=0.")
@@ -269,7 +269,7 @@ class Medusa:
             draft.lm_heads.requires_grad_(False)
 
     def wrap(self, draft: MedusaHeads, cfg: TrainConfig) -> MedusaForTraining:
-        return MedusaForTraining(draft, cfg.head_decay)
+        return MedusaForTraining(draft, cfg.position_decay)
 
     def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:
         heads = MedusaHeads.from_pretrained(spec, dtype, device)
