@@ -479,7 +479,7 @@ class EvalConfig(DecodeSettings):
                                  if f.name not in ("tree_paths", "tree_nodes")})
 
 
-LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd")
+LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd", "lk_alpha", "lk_lambda")
 BEST_BY = ("greedy_tau", "walk_tau", "tau")
 
 
@@ -571,10 +571,22 @@ class TrainConfig:
     target's either way. Unset: each kind's own start, 'random' for EAGLE-3, 'target' for
     DFlash."""
     loss: str = "tvd"
-    """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, or a weighted mix such as
-    '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD)."""
+    """ce (hard labels: the target's tokens), fkl, rkl, jsd, tvd, lk_alpha (-log alpha),
+    lk_lambda (KL blended into TVD as acceptance grows, lk_eta), or a weighted mix such as
+    '0.5*fkl+0.5*tvd'. TVD is what acceptance measures (alpha = 1 - TVD); the LK losses
+    (arXiv 2602.23881) target it from a cold start (train/divergences.py)."""
     jsd_beta: float = 0.5
     """Generalised JSD mixing weight: 0 = forward KL, 1 = reverse KL."""
+    lk_eta: float = 3.0
+    """lk_lambda's blend: KL weighs exp(-lk_eta * alpha) per position, TVD the rest (0: forward
+    KL alone; the LK paper's best: 3)."""
+    position_weights: Literal["decay", "dpace"] = "decay"
+    """Drafts with several draft positions per chain (Medusa, EAGLE-3, DFlash, PARD): 'decay'
+    weighs position j's loss position_decay**(j-1); 'dpace' by D-PACE (arXiv 2605.18810): from
+    the draft's confidence q(y) in the target's token along each chain, the accepted length
+    each position contributes to (train/divergences.py dpace_weights), recomputed every step."""
+    dpace_smoothing: float = 0.5
+    """D-PACE's smoothing of the confidence, c~ = (1 - s) c + s, in (0, 1] (its paper's 0.5)."""
     temperature: float = 1.0
     """Both distributions are softened by this before the divergence."""
     target_logits: Literal["online", "topk"] = "online"
@@ -648,6 +660,10 @@ class TrainConfig:
         terms = parse_loss(self.loss)
         if not 0.0 <= self.jsd_beta <= 1.0:
             raise ConfigError(f"train.jsd_beta={self.jsd_beta} must be in [0, 1].")
+        if self.lk_eta < 0:
+            raise ConfigError(f"train.lk_eta={self.lk_eta} must be >= 0 (0: forward KL).")
+        if not 0.0 < self.dpace_smoothing <= 1.0:
+            raise ConfigError(f"train.dpace_smoothing={self.dpace_smoothing} must be in (0, 1].")
         if self.temperature <= 0:
             raise ConfigError(f"train.temperature={self.temperature} must be > 0.")
         names = {name for _, name in terms}

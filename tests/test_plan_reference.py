@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe import load_config
+from recipe import Config, load_config
 from tests.helpers import plan_of, recipes
 
 REFERENCE = Path(__file__).with_name("plans.json")
@@ -51,6 +51,33 @@ def test_every_real_recipe_resolves_and_plans_as_recorded(monkeypatch):
         pytest.skip(f"recorded {REFERENCE}")
     recorded = json.loads(REFERENCE.read_text())
     assert sorted(now) == sorted(recorded)
+    defaults = json.loads(json.dumps(Config().to_dict(), default=str))
     for recipe, entries in recorded.items():
         for key, value in entries.items():
-            assert now[recipe][key] == value, f"{recipe}: {key} differs from {REFERENCE.name}"
+            if key == "config":
+                assert config_changes(now[recipe][key], value, defaults) == [], recipe
+            else:
+                assert now[recipe][key] == value, f"{recipe}: {key} differs from {REFERENCE.name}"
+
+
+def config_changes(now: dict, recorded: dict, defaults: dict) -> list[str]:
+    """'section.key' of every value that differs from the recorded one; a key added since the
+    recording counts only when the recipe sets it away from its default (a new key changes
+    nothing a recipe meant)."""
+    changes = []
+    for section, values in now.items():
+        for key, value in values.items():
+            was = recorded.get(section, {}).get(key, defaults[section][key])
+            if value != was:
+                changes.append(f"{section}.{key}: {was!r} -> {value!r}")
+    return changes
+
+
+def test_a_changed_value_or_a_new_key_set_away_from_its_default_is_a_change():
+    defaults = {"train": {"loss": "tvd", "lk_eta": 3.0}}
+    recorded = {"train": {"loss": "fkl"}}
+    assert config_changes({"train": {"loss": "fkl", "lk_eta": 3.0}}, recorded, defaults) == []
+    assert config_changes({"train": {"loss": "tvd", "lk_eta": 3.0}}, recorded, defaults) == [
+        "train.loss: 'fkl' -> 'tvd'"]
+    assert config_changes({"train": {"loss": "fkl", "lk_eta": 1.0}}, recorded, defaults) == [
+        "train.lk_eta: 3.0 -> 1.0"]

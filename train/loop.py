@@ -60,7 +60,7 @@ from train.data import (
     micro_batch_examples,
     sample_on_policy,
 )
-from train.divergences import divergence
+from train.divergences import divergence, dpace_weights
 from train.features import FeatureCache, feature_cache, noisy_features, target_hidden
 from train.keep import BestDraft, draft_record
 from train.watch import Progress, Stopped, TermSignal, draw_curve, wandb_init_kwargs, wandb_mode
@@ -159,17 +159,45 @@ def target_logits(target, batch: Batch, hidden: TargetHidden | None = None,
 
 
 def weighted_loss(cfg: TrainConfig, model, runs, draft_logits: torch.Tensor,
-              p_logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over the LossRows of weight * the divergence of each draft row from the target's
-    distribution (and label) at the loss position it is scored against, in the draft's
-    vocabulary (model.restrict). -> [] (a sum)."""
+                  p_logits: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over the LossRows of their weights times the divergence of each draft row from the
+    target's distribution (and label) at the loss position it is scored against, in the
+    draft's vocabulary (model.restrict); the weights are each run's (train.position_weights
+    'decay') or D-PACE's per row ('dpace'). -> [] (a sum)."""
     p_logits, labels = _unwrap(model).restrict(p_logits, labels)
+    rows = split(draft_logits, runs)
+    weights = (dpace_row_weights(runs, rows, labels, cfg.dpace_smoothing)
+               if cfg.position_weights == "dpace" else [run.weight for run in runs])
     total = draft_logits.new_zeros(())
-    for run, q in zip(runs, split(draft_logits, runs)):
-        total = total + run.weight * divergence(
+    for run, q, weight in zip(runs, rows, weights):
+        total = total + (weight * divergence(
             cfg.loss_terms, run.pick(p_logits), q, run.pick(labels), beta=cfg.jsd_beta,
-            temperature=cfg.temperature).sum()
+            temperature=cfg.temperature, eta=cfg.lk_eta)).sum()
     return total
+
+
+def dpace_row_weights(runs, rows: list[torch.Tensor], labels: torch.Tensor,
+                      smoothing: float) -> list[torch.Tensor]:
+    """D-PACE's weight of every draft row: the rows of each chain (the LossRows' starts (b, s))
+    gathered into [C, k] by position, the draft's confidence q(y) in the label there (0 where
+    the label is outside its vocabulary), train.divergences.dpace_weights, scattered back ->
+    one [count] per run, no gradient."""
+    starts = torch.cat([run.starts for run in runs])  # [M, 2]
+    chains, chain = torch.unique(starts, dim=0, return_inverse=True)  # [C, 2], [M]
+    positions = torch.cat([torch.full((run.count,), run.position - 1, device=starts.device)
+                           for run in runs])  # [M]
+    k = int(positions.max()) + 1 if len(positions) else 1
+    confidence = torch.zeros(len(chains), k, device=starts.device)
+    valid = torch.zeros(len(chains), k, dtype=torch.bool, device=starts.device)
+    with torch.no_grad():
+        label = torch.cat([run.pick(labels) for run in runs])  # [M]
+        q = torch.cat([torch.log_softmax(r.float(), -1) for r in rows])  # [M, Vd]
+        seen = label >= 0
+        conf = torch.where(seen, q.gather(1, label.clamp_min(0)[:, None])[:, 0].exp(), 0.0)
+        confidence[chain, positions] = conf
+        valid[chain, positions] = True
+        weights = dpace_weights(confidence, valid, smoothing)[chain, positions]  # [M]
+    return list(weights.split([run.count for run in runs]))
 
 
 def stored_target_logits(batch: Batch, vocab_size: int) -> torch.Tensor:

@@ -54,8 +54,8 @@ class DFlash:
     """Decoder layers on the target's context that fill k mask tokens in one forward."""
 
     name, description = "dflash", "a DFlash block drafter"
-    train_keys = ("position_decay", "aux_layers", "feature_noise", "block_size",
-                  "block_starts", "mask_token_id", "head_init")
+    train_keys = ("position_decay", "position_weights", "dpace_smoothing", "aux_layers",
+                  "feature_noise", "block_size", "block_starts", "mask_token_id", "head_init")
     target_layers, target_architecture = True, False
     one_layer_draft = 'dflash:1'
     formats = ("vllm",)

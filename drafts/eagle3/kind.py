@@ -33,8 +33,8 @@ class Eagle3:
     vocabulary."""
 
     name, description = "eagle3", "an EAGLE-3 head"
-    train_keys = ("position_decay", "eagle3", "aux_layers", "draft_vocab_size",
-                  "feature_noise", "head_init")
+    train_keys = ("position_decay", "position_weights", "dpace_smoothing", "eagle3",
+                  "aux_layers", "draft_vocab_size", "feature_noise", "head_init")
     target_layers, target_architecture = True, False
     one_layer_draft = None
     formats = ("vllm", "speculators")

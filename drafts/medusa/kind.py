@@ -204,7 +204,7 @@ class Medusa:
     """train.draft='medusa:<heads>[x<layers>]'; a folder with model_type 'medusa'."""
 
     name, description, formats = "medusa", "Medusa heads", ("vllm",)
-    train_keys = ("position_decay",)
+    train_keys = ("position_decay", "position_weights", "dpace_smoothing")
     target_layers, target_architecture = False, False
     one_layer_draft = None
     hf_assistant, quantised_weights = False, False

@@ -141,8 +141,8 @@ class Pard:
     """An independent draft LM trained to fill k-1 mask tokens after its context."""
 
     name, description = "pard", "a PARD parallel draft model"
-    train_keys = ("position_decay", "block_size", "block_starts", "mask_token_id",
-                  "draft_vocab_size")
+    train_keys = ("position_decay", "position_weights", "dpace_smoothing", "block_size",
+                  "block_starts", "mask_token_id", "draft_vocab_size")
     target_layers, target_architecture = False, True
     one_layer_draft = 'pard:layer-truncated:1'
     formats = ("vllm",)

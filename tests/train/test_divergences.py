@@ -127,3 +127,85 @@ def test_training_on_stored_top_k_matches_full_logits_where_the_top_k_hold_the_m
     assert max(abs(a - b) for a, b in zip(out["top-8"], out["full"])) <= 1e-3
     mass, out = curves(torch.randn(16, vocab) * 0.1)  # flat: the top 8 hold ~1 %
     assert mass < 0.05 and max(abs(a - b) for a, b in zip(out["top-8"], out["full"])) > 0.5
+
+
+def test_acceptance_is_the_overlap_and_one_minus_tvd():
+    from train.divergences import acceptance
+
+    p, q = torch.softmax(P, -1), torch.softmax(Q, -1)
+    torch.testing.assert_close(acceptance(P, Q), torch.minimum(p, q).sum(-1))
+    torch.testing.assert_close(acceptance(P, Q), 1 - tvd(P, Q))
+
+
+def test_lk_alpha_is_minus_log_acceptance_and_cross_entropy_at_a_one_hot_target():
+    from train.divergences import acceptance, lk_alpha
+
+    torch.testing.assert_close(lk_alpha(P, P), torch.zeros(6), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lk_alpha(P, Q), -torch.log(acceptance(P, Q)))
+    labels = torch.randint(0, 11, (6,))
+    one_hot = torch.full((6, 11), float("-inf")).scatter(1, labels[:, None], 0.0)
+    torch.testing.assert_close(lk_alpha(one_hot, Q), hard_ce(Q, labels))
+    disjoint = torch.full((1, 4), float("-inf"))
+    disjoint[0, 0] = 0.0
+    far = torch.tensor([[-1e4, 0.0, 0.0, 0.0]])  # no overlap: finite, at the floor
+    assert torch.isfinite(lk_alpha(disjoint, far)).all()
+
+
+def test_lk_lambda_runs_from_forward_kl_to_tvd_with_no_gradient_through_its_weight():
+    from train.divergences import acceptance, lk_lambda
+
+    torch.testing.assert_close(lk_lambda(P, Q, eta=0.0), forward_kl(P, Q))
+    torch.testing.assert_close(lk_lambda(P, Q, eta=1e4), tvd(P, Q), atol=1e-4, rtol=0)
+    weight = torch.exp(-3.0 * acceptance(P, Q))
+    torch.testing.assert_close(lk_lambda(P, Q, eta=3.0),
+                               weight * forward_kl(P, Q) + (1 - weight) * tvd(P, Q))
+    q = Q.clone().requires_grad_(True)
+    lk_lambda(P, q, eta=3.0).sum().backward()
+    fixed = Q.clone().requires_grad_(True)  # the same blend, its weight a constant
+    (weight * forward_kl(P, fixed) + (1 - weight) * tvd(P, fixed)).sum().backward()
+    torch.testing.assert_close(q.grad, fixed.grad)
+    with pytest.raises(ValueError, match="eta"):
+        lk_lambda(P, Q, eta=-1.0)
+
+
+def test_dpace_weighs_each_position_by_the_accepted_length_it_contributes_to():
+    from train.divergences import dpace_weights
+
+    sure, unsure = torch.ones(1, 3), torch.zeros(1, 3)
+    every = torch.ones(1, 3, dtype=torch.bool)
+    # confident everywhere: P = 1, 1, 1 -> w_j = the chain's length from j on
+    torch.testing.assert_close(dpace_weights(sure, every), torch.tensor([[3.0, 2.0, 1.0]]))
+    # no confidence, smoothing 0.5: P = 0.5, 0.25, 0.125
+    torch.testing.assert_close(dpace_weights(unsure, every),
+                               torch.tensor([[0.875, 0.375, 0.125]]))
+    # a chain ends at its first invalid position
+    gap = torch.tensor([[True, False, True]])
+    torch.testing.assert_close(dpace_weights(sure, gap), torch.tensor([[1.0, 0.0, 0.0]]))
+    confidence = torch.rand(4, 5, requires_grad=True)
+    weights = dpace_weights(confidence, torch.ones(4, 5, dtype=torch.bool), 0.3)
+    assert not weights.requires_grad and (weights[:, :-1] >= weights[:, 1:]).all()
+    with pytest.raises(ValueError, match="smoothing"):
+        dpace_weights(sure, every, 0.0)
+
+
+def test_the_loop_gives_each_draft_row_the_dpace_weight_of_its_chain():
+    from drafts.kind import chain_loss_rows
+    from train.loop import dpace_row_weights
+
+    pred_mask = torch.tensor([[False, True, True, True, True]])  # loss positions 1..4
+    runs = chain_loss_rows(pred_mask, 3, 0.8)  # starts s, positions j: s + j a loss position
+    labels = torch.tensor([2, 0, 1, 3])  # the target's token at each loss position
+    rows = [torch.full((run.count, 4), -1e4).scatter(1, run.pick(labels)[:, None], 0.0)
+            for run in runs]  # a draft certain of the target's token: confidence 1
+    weights = dpace_row_weights(runs, rows, labels, 0.5)
+    # chain from s = 0 covers positions 1..3 (loss positions 1, 2, 3): weights 3, 2, 1
+    for run, w in zip(runs, weights):
+        from_zero = (run.starts[:, 1] == 0).nonzero()[:, 0]
+        assert w[from_zero].tolist() == [3.0 - (run.position - 1)]
+    last = runs[0].starts[:, 1] == 3  # from s = 3 only position 1 exists: weight 1
+    assert weights[0][last].tolist() == [1.0]
+    outside = labels.clone()
+    outside[0] = -100  # the label at loss position 1 is outside the draft's vocabulary
+    weights = dpace_row_weights(runs, rows, outside, 0.5)
+    # confidence 0 there: c~ = 0.5, then 1 and 1 -> P = 0.5, 0.5, 0.5 -> w_1 = 1.5
+    assert weights[0][runs[0].starts[:, 1] == 0].tolist() == [1.5]
