@@ -516,6 +516,11 @@ class Eagle3Config:
     reads the token embedding and the fed-in feature [2H], the others the layer below [H]; the
     last one's output is fed back). With head_init 'target' layer i starts as the target's
     decoder layer aux + i, so the target needs that many layers from its highest aux layer on."""
+    fc_norm: bool = False
+    """EAGLE 3.1: an RMSNorm on each aux feature before fc (vLLM reads config.json's fc_norm)."""
+    norm_output: bool = False
+    """EAGLE 3.1: each draft step feeds the next the final norm's output instead of the
+    pre-norm one (vLLM reads config.json's norm_output)."""
 
 
 @dataclass

@@ -130,7 +130,8 @@ class CompiledHead:
         live = torch.arange(mask.shape[1], device=mask.device) <= length  # [C]
         mask.index_copy_(1, slot, mask.new_ones(len(token), 1))
         allowed = (mask & live)[:, None]  # [B, 1, C]
-        out = self._layers(embeds, hidden[:, None], keys, values, slot, allowed, cos, sin)
+        out = self._layers(embeds, self.layer.feedback(hidden)[:, None], keys, values, slot,
+                           allowed, cos, sin)
         return token, logits, out[:, 0]
 
     def _settle(self, tokens, features, valid, keys, values, mask, length, cos, sin):

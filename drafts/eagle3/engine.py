@@ -54,6 +54,10 @@ class FusedLayer:
                               f"input{i}": layer.input_layernorm})  # layer 0: the embedding's
                 if i == 0:
                     norms["hidden0"] = layer.hidden_norm
+            for i, norm in enumerate(head.fc_norm or []):  # EAGLE 3.1: a norm per aux feature
+                norms[f"fc_norm{i}"] = norm
+        self.fc_norms = len(head.fc_norm or [])
+        self.norm_output = head.norm_output
         self.linears = {name: partial(F.linear, weight=weight) if weights == "model" else
                         quantise_linear(weight, None, weights) for name, weight in matrices.items()}
         self.norms = {name: (norm.weight, norm.variance_epsilon) for name, norm in norms.items()}
@@ -104,8 +108,15 @@ class FusedLayer:
         return self.linears["lm_head"](self.norm("final", prenorm))
 
     def features(self, aux: torch.Tensor) -> torch.Tensor:
-        """As the head's fc: the target's aux features [..., 3H] -> [..., H]."""
+        """As Eagle3Head.features: the target's aux features [..., 3H] -> [..., H]."""
+        if self.fc_norms:
+            aux = torch.cat([self.norm(f"fc_norm{i}", chunk)
+                             for i, chunk in enumerate(aux.chunk(self.fc_norms, -1))], dim=-1)
         return self.linears["fc"](aux)
+
+    def feedback(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """As Eagle3Head.feedback: [..., H] -> what the next draft step reads."""
+        return self.norm("final", prenorm) if self.norm_output else prenorm
 
 
 Layer = Eagle3Head | FusedLayer  # what HeadCache runs: num_layers, project, finish, groups
@@ -275,7 +286,8 @@ class Eagle3Draft:
             tokens.append(token)
             probs.append(q)
             if i < k - 1:
-                hidden = self.cache.step(layer, self._embeds(token[:, None]), hidden[:, None])[:, 0]
+                hidden = self.cache.step(layer, self._embeds(token[:, None]),
+                                         layer.feedback(hidden)[:, None])[:, 0]
         self.chain = k - 1  # slots to drop once the target has verified
         self.tokens = torch.stack(tokens, 1)  # [B, k]
         self.draft_logits = torch.stack(logits, 1)  # [B, k, Vd]
@@ -322,7 +334,7 @@ class Eagle3Draft:
                 1, parent_slot[..., None].expand(-1, -1, hidden_size)), root)
             depth = torch.full_like(frontier, s // w + 1)  # w slots per earlier expansion
             prenorm = self.cache.run_tree(self.layer, self._embeds(tokens.gather(1, frontier)),
-                                          made_by, depth, sees)  # [B, w, H]
+                                          self.layer.feedback(made_by), depth, sees)  # [B, w, H]
             state["ancestors"] = torch.cat([torch.cat(
                 [state["ancestors"], state["ancestors"].new_zeros(batch, s, w)], 2), sees], 1)
             state["slot"] = slot.scatter(1, frontier, s + torch.arange(w, device=device)

@@ -231,9 +231,14 @@ def _copy_target_layers(head: Eagle3Head, target, layer_index: int) -> None:
 
 class Eagle3Head(nn.Module):
     """fc + decoder layers (midlayer, then layers["1"], ...) + norm + lm_head over Vd draft
-    tokens, with d2t/t2d buffers."""
+    tokens, with d2t/t2d buffers.
 
-    def __init__(self, config, aux_layers: list[int], draft_ids: torch.Tensor):
+    EAGLE 3.1 (arXiv 2605.09992; vLLM's llama_eagle3.py reads both fields): fc_norm, an RMSNorm
+    per aux feature before fc (each of the target's layers at its own scale); norm_output, the
+    final norm's output fed back to the next draft step instead of the pre-norm one."""
+
+    def __init__(self, config, aux_layers: list[int], draft_ids: torch.Tensor,
+                 fc_norm: bool = False, norm_output: bool = False):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
         super().__init__()
@@ -241,6 +246,9 @@ class Eagle3Head(nn.Module):
         self.target_layers: int | None = None  # the target's decoder layer count, when known
         hidden = config.hidden_size
         self.vocab_size, self.draft_vocab_size = config.vocab_size, len(draft_ids)
+        self.fc_norm = nn.ModuleList([LlamaRMSNorm(hidden, config.rms_norm_eps)
+                                      for _ in range(3)]) if fc_norm else None
+        self.norm_output = norm_output
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
         self.midlayer = MidLayer(config)
         self.layers = nn.ModuleDict({str(i): UpperLayer(config)  # saved as layers.<i>.*
@@ -255,7 +263,8 @@ class Eagle3Head(nn.Module):
     @classmethod
     def from_target(cls, target, aux_layers: list[int], draft_ids: torch.Tensor,
                     init: str = "random", intermediate_size: int | None = None,
-                    layers: int = 1) -> Eagle3Head:
+                    layers: int = 1, fc_norm: bool = False,
+                    norm_output: bool = False) -> Eagle3Head:
         """A fresh head for this target: lm_head = the target's head rows of the draft
         vocabulary (so the head starts in the target's output space). init 'random': the layer
         in Llama init, the final norm at ones; 'target': the final norm the target's, fc
@@ -270,7 +279,7 @@ class Eagle3Head(nn.Module):
         if target.get_output_embeddings().weight.shape[0] != config.vocab_size:
             config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
-                   draft_ids)
+                   draft_ids, fc_norm, norm_output)
         head.target_layers = target.config.num_hidden_layers
         std = config.initializer_range
         with torch.no_grad():
@@ -334,6 +343,19 @@ class Eagle3Head(nn.Module):
         """[..., H] -> draft-vocabulary logits [..., Vd]."""
         return self.lm_head(self.norm(prenorm))
 
+    def features(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux features [..., 3H] -> the first layer's fed-in hidden state [..., H]
+        (fc, after a norm per feature with fc_norm)."""
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, aux.chunk(3, -1))],
+                            dim=-1)
+        return self.fc(aux)
+
+    def feedback(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """A draft step's last pre-norm output [..., H] -> what the next step reads as its
+        hidden state: itself, or with norm_output the final norm of it."""
+        return self.norm(prenorm) if self.norm_output else prenorm
+
     def full_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., Vd] -> [..., V], -inf on target tokens outside the draft vocabulary."""
         return scatter(draft_logits, self.draft_to_target, self.vocab_size, float("-inf"))
@@ -360,6 +382,10 @@ class Eagle3Head(nn.Module):
         by one, and both agree on the default."""
         fields = {"draft_vocab_size": self.draft_vocab_size, "norm_before_residual": False,
                   "target_hidden_size": self.config.hidden_size}
+        if self.fc_norm is not None:  # EAGLE 3.1's fields, written only when set
+            fields["fc_norm"] = True
+        if self.norm_output:
+            fields["norm_output"] = True
         if self.target_layers and self.aux_layers != default_aux_layers(self.target_layers):
             fields["eagle_aux_hidden_state_layer_ids"] = self.aux_layers
         return fields
@@ -406,7 +432,9 @@ class Eagle3Head(nn.Module):
             check_vocab_maps(state["d2t"], state["t2d"], str(folder))
             config = LlamaConfig(**{k: v for k, v in raw.items() if k not in EAGLE3_KEYS})
             draft_ids = target_ids(torch.arange(len(state["d2t"])), state["d2t"])
-            head = cls(config, aux or [], draft_ids.sort().values)
+            head = cls(config, aux or [], draft_ids.sort().values,
+                       fc_norm=bool(raw.get("fc_norm", False)),
+                       norm_output=bool(raw.get("norm_output", False)))
             head.target_layers = ours.get("target_num_hidden_layers")
             head.d2t, head.t2d = state["d2t"].long(), state["t2d"].bool()
             return head
@@ -415,7 +443,8 @@ class Eagle3Head(nn.Module):
 
 
 EAGLE3_KEYS = {"architectures", "model_type", "draftsmith", "eagle_config", "draft_vocab_size",
-               "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"}
+               "norm_before_residual", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+               "fc_norm", "norm_output"}
 
 
 def is_eagle3_config(config: dict) -> bool:

@@ -91,7 +91,8 @@ class Eagle3:
         body = (layer_parameters(target_config, input_width=2 * h,  # the first layer, and fc
                                  intermediate=cfg.eagle3.intermediate_size) + 3 * h * h
                 + (cfg.eagle3.layers - 1) * layer_parameters(
-                    target_config, intermediate=cfg.eagle3.intermediate_size))
+                    target_config, intermediate=cfg.eagle3.intermediate_size)
+                + (3 * h if cfg.eagle3.fc_norm else 0))
         return (body, head) if cfg.freeze_embeddings else (body + head, 0)
 
     def draft_vocabulary(self, cfg: TrainConfig, target_config: dict) -> int:
@@ -117,9 +118,14 @@ class Eagle3:
         vocab_size = target.get_output_embeddings().weight.shape[0]
         size = self.draft_vocabulary(cfg, {"vocab_size": vocab_size})
         draft_ids, covered = frequent_labels(examples, vocab_size, size)
+        e = cfg.eagle3
         head = Eagle3Head.from_target(target, aux_layers, draft_ids, cfg.head_init or "random",
-                                     cfg.eagle3.intermediate_size, cfg.eagle3.layers).float()
-        log(f"[train] EAGLE-3 head of {head.num_layers} decoder layer"
+                                     e.intermediate_size, e.layers, e.fc_norm,
+                                     e.norm_output).float()
+        version = ("EAGLE 3.1 (" + ", ".join(name for name, on in [
+            ("fc_norm", e.fc_norm), ("norm_output", e.norm_output)] if on) + ") head"
+            if e.fc_norm or e.norm_output else "EAGLE-3 head")
+        log(f"[train] {version} of {head.num_layers} decoder layer"
             f"{'s' if head.num_layers > 1 else ''} on aux layers {aux_layers} of {layers}, an MLP "
             f"of {head.config.intermediate_size} units; draft vocabulary {size} of {vocab_size} "
             f"tokens covers {100 * covered:.2f} % of the training labels")

@@ -47,14 +47,15 @@ def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
 
     embeds [B, T, H] (the target's embedding of each token), aux [B, T, 3H] (the target's aux
     features), attention_mask [B, T] -> one pre-norm output [B, T, H] per step. Step j at index t
-    reads the embedding of x_{t+1+j} and step j-1's output at t (step 0: fc(aux_t)), sits at
+    reads the embedding of x_{t+1+j} and step j-1's output at t (head.feedback of it; step 0:
+    head.features(aux_t)), sits at
     position t + j, and predicts x_{t+2+j}. Each of the head's layers keeps its own keys and
     values per step, attended with the same masks."""
     batch, length, _ = embeds.shape
     positions = torch.arange(length, device=embeds.device).expand(batch, length)
     causal = torch.ones(length, length, dtype=torch.bool, device=embeds.device).tril()
     mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, T, T]
-    hidden = head.fc(aux)
+    hidden = head.features(aux)
     keys, values = [[] for _ in range(head.num_layers)], [[] for _ in range(head.num_layers)]
     outputs = []
     for j in range(steps):
@@ -66,6 +67,7 @@ def unroll(head: Eagle3Head, embeds: torch.Tensor, aux: torch.Tensor,
             hidden = head.finish(ttt_attention(q, keys[i], values[i], mask, head.groups),
                                  residual, index=i)
         outputs.append(hidden)
+        hidden = head.feedback(hidden)  # what step j + 1 reads
     return outputs
 
 

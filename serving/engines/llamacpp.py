@@ -51,6 +51,8 @@ from serving.engines.llamacpp_build import (
 )
 
 SPEC_TYPES = {"independent": "draft-simple", "eagle3": "draft-eagle3"}
+UNREAD_EAGLE3_FIELDS = ("fc_norm", "norm_output")
+"""EAGLE 3.1's config fields that llama.cpp's eagle3 graph and converter do not read."""
 """Draft kind -> llama.cpp's --spec-type."""
 
 NOT_SERVED = {
@@ -169,14 +171,22 @@ class LlamaCppEngine:
         type, k, both files), config.yaml, README.md."""
         if why := self.why_not(kind):
             raise ConfigError(f"--format gguf: {why} Export it with --format vllm.")
-        layers = json.loads((Path(draft_folder) / "config.json").read_text()).get(
-            "num_hidden_layers", 1)
+        config = json.loads((Path(draft_folder) / "config.json").read_text())
+        layers = config.get("num_hidden_layers", 1)
         outtype, spec_type = self.gguf_type, SPEC_TYPES[kind.name]
         if spec_type == "draft-eagle3" and layers != 1:
             raise ConfigError(f"--format gguf: the EAGLE-3 head in {draft_folder} has {layers} "
                               f"decoder layers and llama.cpp {VERSION} builds EAGLE-3 heads of "
                               "one (its eagle3 graph asserts n_layer == 1). Export it with "
                               "--format vllm, or train it with train.eagle3.layers=1.")
+        unread = [name for name in UNREAD_EAGLE3_FIELDS if config.get(name)]
+        if spec_type == "draft-eagle3" and unread:
+            raise ConfigError(f"--format gguf: the head in {draft_folder} is an EAGLE 3.1 head "
+                              f"({', '.join(unread)}), and llama.cpp {VERSION}'s eagle3 graph "
+                              "(src/models/eagle3.cpp) reads norm_before_fc alone: it would "
+                              "serve another head. Export it with --format vllm (vLLM reads "
+                              "both), or train it with train.eagle3.fc_norm=false and "
+                              "train.eagle3.norm_output=false.")
         resolved = resolve_target(cfg.model)
         kind.check_export(draft_folder, k, target_shape(resolved.path))
         out = Path(out or run_folder(cfg).export / f"{kind.name}-gguf")

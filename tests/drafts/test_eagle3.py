@@ -43,14 +43,21 @@ def target():
     return _tiny(0)
 
 
-def _head(target, draft_size=200, seed=1, layers=1):
+def _head(target, draft_size=200, seed=1, layers=1, eagle31=False):
+    """eagle31: with EAGLE 3.1's fc_norm (its norms at random scales, so they count) and
+    norm_output."""
     torch.manual_seed(seed)
     counts = torch.randint(0, 50, (VOCAB,))
     head = Eagle3Head.from_target(target, AUX, most_frequent_ids(counts, draft_size),
-                                  layers=layers)
+                                  layers=layers, fc_norm=eagle31, norm_output=eagle31)
     with torch.no_grad():  # a random head, not the target's own rows: a draft that errs
         head.lm_head.weight.normal_(0, 0.3)
+        for norm in head.fc_norm or []:
+            norm.weight.uniform_(0.5, 1.5)
     return head.eval()
+
+
+VERSIONS = pytest.mark.parametrize("eagle31", [False, True], ids=["EAGLE-3", "EAGLE 3.1"])
 
 
 def test_draft_vocabulary_round_trip_for_every_id():
@@ -135,14 +142,16 @@ def test_feature_capture_reads_the_inputs_of_the_named_decoder_layers(target):
     assert torch.equal(out.embeds, target.model.embed_tokens(batch.input_ids))
 
 
+@VERSIONS
 @pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
 @pytest.mark.parametrize("fused", [False, True], ids=["head", "fused layer"])
-def test_training_time_test_matches_the_serving_cache(target, fused, layers):
+def test_training_time_test_matches_the_serving_cache(target, fused, layers, eagle31):
     """Step j of the unroll at index p is what the head computes in serving for draft token j+1
     after the verified prefix x_0..x_{p+1}, when the chain so far is the true continuation; the
     engine's FusedLayer (one q/k/v product, a rotary table, fused norms) computes the same, and
-    the same logits; with a head of two layers too (each with its own cache)."""
-    head = _head(target, layers=layers)
+    the same logits; with a head of two layers too (each with its own cache), and an EAGLE 3.1
+    head (its features normed per aux layer, its post-norm output fed back)."""
+    head = _head(target, layers=layers, eagle31=eagle31)
     layer = FusedLayer(head) if fused else head
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(3, VOCAB, (1, 24), generator=g)
@@ -153,12 +162,12 @@ def test_training_time_test_matches_the_serving_cache(target, fused, layers):
         steps = unroll(head, embeds, aux, torch.ones_like(ids), 4)
         for p in (5, 12):
             cache = HeadCache(1, head, "cpu")
-            out = cache.run(layer, embeds[:, 1:p + 2], head.fc(aux[:, :p + 1]),
+            out = cache.run(layer, embeds[:, 1:p + 2], layer.features(aux[:, :p + 1]),
                             torch.ones(1, p + 1, dtype=torch.bool))
             h = out[:, -1:]
             assert torch.allclose(h, steps[0][:, p:p + 1], atol=1e-5)
             for j in range(1, 4):
-                h = cache.run(layer, embeds[:, p + 1 + j:p + 2 + j], h,
+                h = cache.run(layer, embeds[:, p + 1 + j:p + 2 + j], layer.feedback(h),
                               torch.ones(1, 1, dtype=torch.bool))
                 assert torch.allclose(h, steps[j][:, p:p + 1], atol=1e-5), (p, j)
                 assert torch.allclose(layer.logits(h), head.logits(steps[j][:, p:p + 1]),
@@ -185,16 +194,17 @@ def test_quantised_weights_keep_the_output_the_targets(target, weights, linear):
 
 
 @pytest.mark.slow  # inductor compiles three graphs (~1 minute on 2 CPU cores)
-@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
-def test_compiled_steps_draft_what_the_eager_head_drafts(target, layers):
+@pytest.mark.parametrize("layers, eagle31", [(1, False), (2, False), (1, True)],
+                         ids=["1 layer", "2 layers", "EAGLE 3.1"])
+def test_compiled_steps_draft_what_the_eager_head_drafts(target, layers, eagle31):
     """eval.draft_compile: greedy chains and the settling after verification run compiled
     (drafts/eagle3/compiled.py) and propose what the eager head proposes, chain by chain (the
     same tokens, logits within rounding), over left-padded rows of different lengths (holes in
     the head's cache), a row whose cache outgrows its first capacity (256 slots), and a second
     k; output stays the target's. Sampled decoding (eager chains, compiled settling) repeats
     the eager run's output under the same seed. A later engine run reuses the compiled code,
-    and leaves the head's state a fresh start's. A head of two layers too."""
-    head = _head(target, layers=layers)
+    and leaves the head's state a fresh start's. A head of two layers too, and EAGLE 3.1's."""
+    head = _head(target, layers=layers, eagle31=eagle31)
     prompts, ids, mask = _prompts([5, 250, 8])
     runs = {}
     for compile in (False, True):
@@ -300,12 +310,14 @@ def test_save_and_load_round_trip_and_a_corrupted_d2t_is_refused(target, tmp_pat
         Eagle3Head.from_pretrained(tmp_path / "head")
 
 
-@pytest.mark.parametrize("k, layers", [(1, 1), (3, 1), (6, 1), (3, 2)])
-def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k, layers):
+@pytest.mark.parametrize("k, layers, eagle31", [(1, 1, False), (3, 1, False), (6, 1, False),
+                                                (3, 2, False), (3, 1, True), (3, 2, True)])
+def test_greedy_speculation_with_a_head_equals_target_greedy_batched(target, k, layers, eagle31):
     _, ids, mask = _prompts([5, 11, 8])
     settings = DecodeSettings(max_new_tokens=24, temperature=0.0, k=k)
     plain = generate(target, ids, mask, settings, {EOS})
-    draft = Eagle3Draft(_head(target, layers=layers), target.get_input_embeddings())
+    draft = Eagle3Draft(_head(target, layers=layers, eagle31=eagle31),
+                        target.get_input_embeddings())
     spec = generate(target, ids, mask, settings, {EOS}, draft)
     assert spec.tokens == plain.tokens
     assert sum(s.steps for s in spec.stats) < sum(len(t) for t in plain.tokens)  # it drafts
@@ -367,10 +379,11 @@ def test_sampling_with_a_head_keeps_the_target_distribution(target):
     assert float(torch.special.gammaincc(torch.tensor(9.5, dtype=torch.float64), chi2 / 2)) > 1e-3
 
 
-def _started_draft(target, prompt_lengths, layers=1):
+def _started_draft(target, prompt_lengths, layers=1, eagle31=False):
     """A head draft after start() on left-padded prompts, as the engine leaves it."""
     _, ids, mask = _prompts(prompt_lengths)
-    draft = Eagle3Draft(_head(target, layers=layers), target.get_input_embeddings())
+    draft = Eagle3Draft(_head(target, layers=layers, eagle31=eagle31),
+                        target.get_input_embeddings())
     with torch.no_grad():
         out = target(ids, attention_mask=mask, output_hidden_states=True)
         draft.start(ids, mask, out.logits[:, -1].argmax(-1), out.hidden_states)
@@ -378,14 +391,15 @@ def _started_draft(target, prompt_lengths, layers=1):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layers", [1, 2], ids=["1 layer", "2 layers"])
-def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target, layers):
+@pytest.mark.parametrize("layers, eagle31", [(1, False), (2, False), (1, True)],
+                         ids=["1 layer", "2 layers", "EAGLE 3.1"])
+def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target, layers, eagle31):
     """Each candidate's cumulative log-probability equals the sum of the head's log-probs
     along its path drafted token by token (the tree attention, positions and hidden-state
     feeding of the expansion are the chain's); the head's cache is as before afterwards."""
     import copy
 
-    draft = _started_draft(target, [6, 10], layers)
+    draft = _started_draft(target, [6, 10], layers, eagle31)
     slots = draft.cache.slots
     before = ([slots.keys(i).clone() for i in range(layers)], draft.cache.mask.clone(),
               draft.cache.next_position.clone())
@@ -407,7 +421,7 @@ def test_a_dynamic_tree_scores_every_path_as_the_chain_would(target, layers):
                 total += float(logp[0, token])
                 if i < len(path) - 1:
                     embeds = sequential._embeds(torch.tensor([[token]]))
-                    hidden = sequential.cache.run(head, embeds, hidden[:, None],
+                    hidden = sequential.cache.run(head, embeds, head.feedback(hidden)[:, None],
                                                   torch.ones(1, 1, dtype=torch.bool))[:, 0]
             assert abs(total - float(scores[row, m])) < 1e-4, (row, m, path)
 

@@ -241,3 +241,34 @@ def test_a_field_the_installed_vllm_would_not_read_is_refused_at_export(tiny_tar
         check_vllm_reads(result.folder)
     # a kind's own fields (PARD's trained positions) are read by us alone
     assert unread_fields({**config, "pard_trained_k": 3}, ours=("pard_trained_k",)) == expected
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_an_eagle31_head_round_trips_and_exports_the_fields_vllm_reads(tiny_target, tmp_path,
+                                                                       fmt):
+    """fc_norm and norm_output reach config.json (both layouts; the pinned vLLM reads them,
+    which the export checks), the per-feature norms reach the weights as vLLM names them
+    (model.fc_norm.<i> after its loader's prefix), and the head loads back as it was."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from drafts.eagle3 import Eagle3Head, most_frequent_ids
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    head = Eagle3Head.from_target(target, [0, 1, 1], most_frequent_ids(torch.ones(
+        target.config.vocab_size), 300), fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        head.fc_norm[1].weight.mul_(2.0)
+    folder = tmp_path / "run" / "train" / "draft"
+    head.save_pretrained(folder)
+    loaded = Eagle3Head.from_pretrained(folder)
+    assert loaded.norm_output and torch.equal(loaded.fc_norm[1].weight, head.fc_norm[1].weight)
+    result = export_draft(_cfg(tiny_target, tmp_path), k=2, fmt=fmt)
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    state = load_file(str(result.folder / "model.safetensors"))
+    assert [f"fc_norm.{i}.weight" in state for i in range(3)] == [True] * 3
+    if fmt == "vllm":
+        with pytest.raises(ConfigError, match=r"EAGLE 3.1 head \(fc_norm, norm_output\), and "
+                                              r"llama.cpp .*reads norm_before_fc alone"):
+            export_draft(_cfg(tiny_target, tmp_path), k=2, fmt="gguf")

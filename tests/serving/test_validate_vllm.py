@@ -139,24 +139,25 @@ def test_a_corrupted_export_fails_the_validation(run, tmp_path):
     assert result["identical_engine_texts"] == 2  # lossless all the same: only the speed suffers
 
 
-def _eagle_run(tmp_path_factory, smollm2_tokenizer, layers: int):
+def _eagle_run(tmp_path_factory, smollm2_tokenizer, layers: int, eagle31: bool = False):
     """A run whose EAGLE-3 head of `layers` decoder layers (vLLM's default aux layers,
-    2,048-token draft vocabulary) was trained briefly, through the training-time test, on the
-    target's own greedy answers to the two eval prompts: a head that is often right there.
-    Exported with k=3."""
+    2,048-token draft vocabulary; eagle31: with EAGLE 3.1's fc_norm and norm_output) was
+    trained briefly, through the training-time test, on the target's own greedy answers to the
+    two eval prompts: a head that is often right there. Exported with k=3."""
     from drafts.eagle3 import Eagle3ForTraining, Eagle3Head, default_aux_layers, most_frequent_ids
     from recipe import TrainConfig
     from train.features import target_hidden
     from train.loop import target_logits
 
-    out = tmp_path_factory.mktemp(f"validate-eagle3-{layers}") / "run"
+    out = tmp_path_factory.mktemp(f"validate-eagle3-{layers}{'-31' if eagle31 else ''}") / "run"
     cfg, target, batch = _own_answers(recipe_path("smollm2-135m-eagle3"), out, smollm2_tokenizer)
     aux = default_aux_layers(target.config.num_hidden_layers)
     features = target_hidden(target, batch, aux)
     p_logits = target_logits(target, batch, features)
     counts = torch.bincount(batch.input_ids.flatten(), minlength=target.config.vocab_size)
     torch.manual_seed(0)
-    head = Eagle3Head.from_target(target, aux, most_frequent_ids(counts, 2048), layers=layers)
+    head = Eagle3Head.from_target(target, aux, most_frequent_ids(counts, 2048), layers=layers,
+                                  fc_norm=eagle31, norm_output=eagle31)
     _fit(Eagle3ForTraining(head, steps=3, decay=0.8),
          TrainConfig(draft="eagle3", loss="fkl", eagle3=Eagle3Config(ttt_steps=3), eval_k=3),
          batch, features, p_logits, lr=3e-3)
@@ -191,6 +192,19 @@ def test_vllm_builds_and_serves_a_two_layer_eagle3_head_as_our_engine_does(
         export_draft(cfg, 3, fmt="gguf")
     config = json.loads((exported.folder / "config.json").read_text())
     assert config["num_hidden_layers"] == 2
+    result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
+    assert result.tau_ours > 1.5, result.tau_ours
+    assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
+    assert result.identical_engine_texts == 2 and result.identical_to_our_engine == 2
+
+
+def test_vllm_serves_an_eagle31_head_as_our_engine_does(tmp_path_factory, smollm2_tokenizer):
+    """EAGLE 3.1's per-feature norms before fc and its post-norm feedback, trained through the
+    training-time test: vLLM reads fc_norm and norm_output from config.json and drafts what
+    our engine drafts (greedy: the same acceptance and the same texts)."""
+    cfg, exported = _eagle_run(tmp_path_factory, smollm2_tokenizer, layers=1, eagle31=True)
+    config = json.loads((exported.folder / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
     result = validate(cfg, VLLM(enforce_eager=True), exported.folder)
     assert result.tau_ours > 1.5, result.tau_ours
     assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
