@@ -58,7 +58,9 @@ from benchmarks.architecture_matrix import cpu_name
 from benchmarks.peers import PEERS, peer_python
 from benchmarks.peers.specforge import SPECFORGE_MATCHED, SPECFORGE_UNMATCHED, train_specforge
 from benchmarks.peers.speculators import MATCHED, UNMATCHED, speculators_steps, train_speculators
+from decoding.acceptance import prompt_bootstrap_tau
 from runfolder.paths import RunFolder
+from runfolder.prompts import across_categories
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,15 +142,23 @@ def our_step_rates(log_path: Path) -> list[float]:
 
 def head_figures(found: dict, reference: list[list[int]]) -> dict:
     """One head's vLLM run (spec-decode counters, texts) against the target's own texts: tau =
-    1 + accepted / drafts (tokens per target forward), alpha_j = accepted at position j /
-    drafts, and how many texts equal the target's."""
+    1 + accepted / drafts (tokens per target forward) with its 95 % interval over prompts (each
+    prompt's counters, resampled), alpha_j = accepted at position j / drafts, and how many texts
+    equal the target's."""
     drafts = int(found.get("drafts") or 0)
     accepted = [int(a) for a in found.get("accepted_per_position") or []]
-    return {"tau": 1 + sum(accepted) / drafts if drafts else float("nan"),
-            "alpha": [a / drafts for a in accepted] if drafts else [],
-            "drafts": drafts, "prompts": len(reference),
-            "identical_texts": sum(a == b for a, b in zip(found["tokens"], reference)),
-            "vllm_seconds": found["seconds"]}
+    figures = {"tau": 1 + sum(accepted) / drafts if drafts else float("nan"),
+               "alpha": [a / drafts for a in accepted] if drafts else [],
+               "drafts": drafts, "prompts": len(reference),
+               "identical_texts": sum(a == b for a, b in zip(found["tokens"], reference)),
+               "vllm_seconds": found["seconds"]}
+    if found.get("per_request"):
+        figures["per_prompt"] = {"drafts": [int(r["drafts"]) for r in found["per_request"]],
+                                 "accepted": [int(r["accepted"]) for r in found["per_request"]]}
+        _, low, high = prompt_bootstrap_tau(figures["per_prompt"]["drafts"],
+                                            figures["per_prompt"]["accepted"])
+        figures["tau_interval"] = [low, high]
+    return figures
 
 
 def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: dict[str, Path],
@@ -163,7 +173,8 @@ def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: di
                       "num_speculative_tokens": k}
     request = {"target": target_path, "dtype": "float32", "prompts": prompts,
                "max_new_tokens": max_new_tokens, "stop_token_ids": sorted(eos),
-               "enforce_eager": True, "runs": runs}
+               "enforce_eager": True, "runs": runs,
+               "one_at_a_time": True}  # each prompt's counters: intervals over prompts
     result = run_worker(request, cache)
     table = {name: head_figures(result[name], result["target"]["tokens"]) for name in heads}
     table["target"] = {"vllm_seconds": result["target"]["seconds"]}
@@ -181,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=200,
                         help="stage-1 prompts (data.max_prompts); the held-out share is the "
                              "recipe's")
-    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--questions", type=int, default=16,
+                        help="MT-bench first turns drawn across its 8 categories in turn")
+    parser.add_argument("--split", choices=["report", "select"], default="report",
+                        help="report: each category's even-indexed questions (what tables "
+                             "report); select: the odd-indexed ones, disjoint, to choose arms on")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--write-docs", action="store_true")
@@ -301,18 +316,21 @@ def main(argv: list[str] | None = None) -> int:
         found["median_step_tokens_per_second"] = statistics.median(found["step_rates"])
 
     conversations, _ = load_mtbench()
+    picked = across_categories(conversations, args.questions, tune=args.split == "select")
     prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
-               for c in conversations[: args.questions]]
+               for c in picked]
     eos = end_of_turn_ids(target, tokenizer)
     setting = {"heads": {name: str(folder) for name, folder in heads.items()},
-               "questions": len(prompts), "max_new_tokens": args.max_new_tokens, "k": cfg.eval.k}
+               "questions": [c.id for c in picked], "split": args.split,
+               "max_new_tokens": args.max_new_tokens, "k": cfg.eval.k}
     if results.get("vllm_setting") != setting:  # once per trained heads and setting
         print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
               f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
         results["vllm"] = measure(resolved.path, prompts, eos, heads, VLLM_METHOD[kind],
                                   cfg.eval.k, args.max_new_tokens, cache_root() / "vllm")
         results["vllm_setting"] = setting
-    results.update(questions=len(prompts), max_new_tokens=args.max_new_tokens, k=cfg.eval.k,
+    results.update(questions=len(prompts), question_ids=[c.id for c in picked],
+                   split=args.split, max_new_tokens=args.max_new_tokens, k=cfg.eval.k,
                    kind=kind)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     table = render_table(results)
@@ -338,13 +356,25 @@ def settings(kind: str) -> str:
 
 
 def render_table(results: dict) -> str:
-    lines = ["| trainer | tau | alpha_1..k | texts = target's | wall time | optimizer steps | "
-             "training tokens/s (all steps / median step) |", "|---|---|---|---|---|---|---|"]
+    """The trainers' heads in vLLM: tau with its 95 % interval over prompts, and each peer's
+    difference from ours with its paired interval (the same prompts resampled together)."""
+    lines = ["| trainer | tau [95 % over prompts] | minus draftsmith's [95 %] | alpha_1..k | "
+             "texts = target's | wall time | optimizer steps | training tokens/s (all steps / "
+             "median step) |", "|---|---|---|---|---|---|---|---|"]
+    ours = results["vllm"].get("draftsmith", {}).get("per_prompt")
     for name, found in results["trainers"].items():
         v = results["vllm"][name]
         alpha = " / ".join(f"{a:.3f}" for a in v["alpha"])
-        lines.append(f"| {name} | {v['tau']:.3f} | {alpha} | {v['identical_texts']}/"
-                     f"{v['prompts']} | {found['wall_seconds']:.0f} s | "
+        interval = (f" [{v['tau_interval'][0]:.3f}, {v['tau_interval'][1]:.3f}]"
+                    if "tau_interval" in v else "")
+        difference = "-"
+        if name != "draftsmith" and ours and "per_prompt" in v:
+            d, low, high = prompt_bootstrap_tau(v["per_prompt"]["drafts"],
+                                                v["per_prompt"]["accepted"],
+                                                ours["drafts"], ours["accepted"])
+            difference = f"{d:+.3f} [{low:+.3f}, {high:+.3f}]"
+        lines.append(f"| {name} | {v['tau']:.3f}{interval} | {difference} | {alpha} | "
+                     f"{v['identical_texts']}/{v['prompts']} | {found['wall_seconds']:.0f} s | "
                      f"{found['optimizer_steps']} | {found['tokens_per_second']:.0f} / "
                      f"{found['median_step_tokens_per_second']:.0f} |")
     return "\n".join(lines)
@@ -374,8 +404,11 @@ def write_docs(results: dict, table: str, argv: list[str], today: str | None = N
         f"# {title}", "",
         f"{results['cpu']}; {results['torch_threads']} torch threads; commit {commit}; "
         f"`.venv/bin/python -m benchmarks.side_by_side {' '.join(argv)}`. vLLM (CPU, fp32), "
-        f"{results['questions']} MT-bench first turns x {results['max_new_tokens']} tokens, "
-        f"greedy, k={results['k']}.", "", table, "",
+        f"{results['questions']} MT-bench first turns drawn across its categories "
+        f"({results.get('split', 'report')} split: questions "
+        f"{', '.join(map(str, results.get('question_ids', [])))}) x "
+        f"{results['max_new_tokens']} tokens, greedy, k={results['k']}; intervals resample "
+        "prompts, one training seed per trainer.", "", table, "",
         settings(results.get("kind", "eagle3")), ""]))
     return doc
 

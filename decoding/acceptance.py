@@ -233,3 +233,31 @@ def predicted_speedup(alpha: list[float], verify_ratio: float, draft_share: floa
     verify_ratio: a (k + 1)-token target forward over a 1-token one; draft_share: one draft
     step over a 1-token target forward."""
     return (1 + sum(alpha)) / (verify_ratio + len(alpha) * draft_share)
+
+
+def prompt_bootstrap_tau(drafts: list[int], accepted: list[int],
+                         other_drafts: list[int] | None = None,
+                         other_accepted: list[int] | None = None, draws: int = 2000,
+                         seed: int = 0) -> tuple[float, float, float]:
+    """tau = 1 + sum(accepted) / sum(drafts) over prompts (one engine's drafting steps and
+    accepted tokens per prompt, [P] each), with a 95 % interval from resampling prompts with
+    replacement (the prompt, not the drafting step, is the independent unit) -> (tau, low,
+    high). With other_*: the paired difference tau - tau_other on the same prompts, resampled
+    together -> (difference, low, high)."""
+    import random
+
+    def tau(d: list[int], a: list[int], ix) -> float:
+        total = sum(d[i] for i in ix)
+        return 1 + sum(a[i] for i in ix) / total if total else float("nan")
+
+    def value(ix) -> float:
+        own = tau(drafts, accepted, ix)
+        return own if other_drafts is None else own - tau(other_drafts, other_accepted, ix)
+
+    n, rng = len(drafts), random.Random(seed)
+    if n == 0:
+        raise ValueError("no prompts to resample.")
+    samples = sorted(value([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    samples = [s for s in samples if s == s] or [float("nan")]  # a draw with no drafts at all
+    low, high = (samples[min(len(samples) - 1, int(q * len(samples)))] for q in (0.025, 0.975))
+    return value(range(n)), low, high

@@ -111,19 +111,32 @@ def test_the_last_epochs_checkpoint_is_taken(tmp_path):
     assert latest_speculators_checkpoint(tmp_path) == tmp_path / "10"
 
 
-def test_acceptance_figures_from_vllms_counters():
+def test_acceptance_figures_from_vllms_counters_with_intervals_over_prompts():
     reference = [[1, 2, 3], [4, 5], [6]]
+    per_prompt = [{"drafts": 4, "accepted": 6}, {"drafts": 4, "accepted": 3},
+                  {"drafts": 2, "accepted": 1}]
     found = {"drafts": 10, "accepted_per_position": [6, 3, 1, 0], "seconds": 2.5,
-             "tokens": [[1, 2, 3], [4, 9], [6]]}
+             "tokens": [[1, 2, 3], [4, 9], [6]], "per_request": per_prompt}
     figures = head_figures(found, reference)
     assert figures["tau"] == pytest.approx(2.0)
     assert figures["alpha"] == pytest.approx([0.6, 0.3, 0.1, 0.0])
     assert (figures["identical_texts"], figures["prompts"]) == (2, 3)
+    low, high = figures["tau_interval"]
+    assert low < 2.0 < high  # prompts accept 2.5, 1.75 and 1.5 tokens per step
+    peer = head_figures({**found, "per_request": [{"drafts": 4, "accepted": 2},
+                                                  {"drafts": 4, "accepted": 1},
+                                                  {"drafts": 2, "accepted": 0}],
+                         "accepted_per_position": [3, 0, 0, 0]}, reference)
     trainer = {"wall_seconds": 100.4, "optimizer_steps": 6, "tokens_per_second": 321.6,
                "median_step_tokens_per_second": 340.2}
-    table = render_table({"trainers": {"draftsmith": trainer}, "vllm": {"draftsmith": figures}})
-    assert ("| draftsmith | 2.000 | 0.600 / 0.300 / 0.100 / 0.000 | 2/3 | 100 s | 6 | 322 / 340 |"
-            in table)
+    table = render_table({"trainers": {"draftsmith": trainer, "peer": trainer},
+                          "vllm": {"draftsmith": figures, "peer": peer}})
+    assert (f"| draftsmith | 2.000 [{low:.3f}, {high:.3f}] | - | 0.600 / 0.300 / 0.100 / 0.000 "
+            "| 2/3 | 100 s | 6 | 322 / 340 |" in table)
+    row = next(line for line in table.splitlines() if line.startswith("| peer |"))
+    difference = row.split(" | ")[2]  # every prompt accepts less than ours: below zero
+    assert difference.startswith("-0.700 [") and difference.endswith("]")
+    assert float(difference.split("[")[1].split(",")[1].rstrip("]")) < 0
     json.dumps(figures)  # results.json holds it
 
 

@@ -43,6 +43,9 @@ SHARED_UNMATCHED = [
     "counts differ a little",
     "the cosine floor: ours decays to learning_rate * min_lr_ratio, speculators' to 0",
     "speculators saves its checkpoints in bf16, ours in fp32",
+    "precision where the CPU runs bf16 natively: speculators is passed --hidden-states-dtype "
+    "bfloat16, under which its trainer casts the whole draft to bf16 (bf16 master weights); "
+    "ours keeps fp32 weights under bf16 autocast",
 ]
 
 

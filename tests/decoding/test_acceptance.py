@@ -109,3 +109,21 @@ def test_predicted_speedup_is_tau_over_the_cost_of_a_step():
     assert predicted_speedup([0.5, 0.25], 1.0, 0.0) == pytest.approx(1.75)  # free verify
     assert predicted_speedup([0.5, 0.25], 1.25, 0.05) == pytest.approx(1.75 / 1.35)
     assert predicted_speedup([1.0, 1.0, 1.0], 1.0, 0.0) == 4.0  # the bound: k + 1
+
+
+def test_prompt_bootstrap_tau_pools_prompts_and_resamples_them():
+    from decoding.acceptance import prompt_bootstrap_tau
+
+    drafts, accepted = [10, 10, 20], [5, 15, 10]
+    tau, low, high = prompt_bootstrap_tau(drafts, accepted, seed=1)
+    assert tau == 1 + 30 / 40 and low <= tau <= high and high - low > 0.1
+    same = prompt_bootstrap_tau([10] * 8, [6] * 8)  # identical prompts: no spread
+    assert same == pytest.approx((1.6, 1.6, 1.6))
+    # paired: a head that accepts one more token per step on every prompt
+    diff, low, high = prompt_bootstrap_tau(drafts, [a + d for a, d in zip(accepted, drafts)],
+                                           drafts, accepted)
+    assert (diff, low, high) == pytest.approx((1.0, 1.0, 1.0))
+    diff, low, high = prompt_bootstrap_tau([10, 10], [9, 1], [10, 10], [1, 9], seed=0)
+    assert diff == 0.0 and low < 0 < high  # better on one prompt, worse on the other
+    with pytest.raises(ValueError, match="no prompts"):
+        prompt_bootstrap_tau([], [])
