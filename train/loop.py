@@ -48,6 +48,7 @@ from drafts import TargetHidden, check_train_config
 from drafts.vocabulary import logits_on_rows, vocabulary_line
 from recipe import Config, ConfigError, TrainConfig
 from recipe.config import with_current_names
+from recipe.disk import check_free_space
 from runfolder import identity_differences, run_folder, train_record, write_train_record
 from train.data import (
     Batch,
@@ -335,11 +336,32 @@ class _TiedHeadNote(logging.Filter):
         return "Removed shared tensor" not in record.getMessage()
 
 
+def checkpoint_bytes_needed(checkpoints: Path, models) -> int:
+    """What the next checkpoint will take: the newest one's size, else every parameter of the
+    prepared models in fp32 and two AdamW moments of the trainable ones."""
+    newest = latest_checkpoint(checkpoints)
+    if newest is not None:
+        return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file())
+    return sum(p.numel() * (12 if p.requires_grad else 4) for m in models
+               for p in m.parameters())
+
+
 def _save_checkpoint(accelerator, dist: Dist, state: TrainState, cfg: Config) -> Path:
     folder = run_folder(cfg).checkpoints / checkpoint_name(state.optimizer_step)
     tmp = folder.with_name(f".{folder.name}.tmp")
+    short = None
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
+        try:  # before anything is written; every process stops together
+            check_free_space(folder, checkpoint_bytes_needed(folder.parent, accelerator._models),
+                             f"the checkpoint after optimizer_step {state.optimizer_step}",
+                             "free disk space, lower train.keep_checkpoints or point "
+                             "run.output_dir at a larger disk, then run the same command: it "
+                             f"resumes from {latest_checkpoint(folder.parent) or 'the start'}.")
+        except ConfigError as e:
+            short = e
+    if dist.sum(float(short is not None)) > 0:
+        raise short or ConfigError("the main process has no disk for the next checkpoint.")
     dist.barrier()
     note, accelerate_log = _TiedHeadNote(), logging.getLogger("accelerate.utils.other")
     accelerate_log.addFilter(note)
@@ -360,6 +382,28 @@ def _save_checkpoint(accelerator, dist: Dist, state: TrainState, cfg: Config) ->
     return folder
 
 
+def read_log(path: Path, log=print) -> list[dict]:
+    """The entries of a train/log.jsonl. A last line cut short (a kill or a full disk during an
+    append) is dropped with a note: the checkpoint the run resumes from is before it. A bad line
+    before the last is refused, naming it: the log was edited or damaged."""
+    lines = path.read_text().splitlines()
+    entries = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                log(f"[train] {path}: its last line was cut short ({line[:60]!r}...); "
+                    "dropping it, the resumed run writes that step again.")
+                break
+            raise ConfigError(f"{path} line {number} is not JSON ({line[:60]!r}): the log was "
+                              "damaged. Delete that line (or the file: the curve then starts "
+                              "at the resumed step) and run again.") from None
+    return entries
+
+
 class _Log:
     """<output>/train/log.jsonl on the main process, plus the tracker; cut back on resume."""
 
@@ -369,9 +413,11 @@ class _Log:
         if self.on:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.is_file():
-                lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+                lines = read_log(path, accelerator.print)
                 self.history = [e for e in lines if e["optimizer_step"] <= keep_until]
-            path.write_text("".join(json.dumps(e) + "\n" for e in self.history))
+            tmp = path.with_name(f".{path.name}.tmp")  # a kill while rewriting loses nothing
+            tmp.write_text("".join(json.dumps(e) + "\n" for e in self.history))
+            os.replace(tmp, path)
 
     def first_held_out(self) -> dict | None:
         """The held-out figures logged at optimizer_step 0 (the draft before training)."""

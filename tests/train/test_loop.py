@@ -18,6 +18,7 @@ from tests.helpers import (
     ROOT,
     accelerate_launch,
     kill_process_tree,
+    reset_accelerate,
     tensorboard_scalars,
     tiny_llama,
     wandb_history,
@@ -581,3 +582,43 @@ def test_a_2_process_launch_shows_progress_stops_on_sigterm_and_resumes_its_wand
     runs = sorted((out / "train" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
     assert (out / "train" / "curve.png").is_file()
+
+
+def test_a_log_cut_short_by_a_kill_resumes_and_a_damaged_one_is_named(tmp_path):
+    from train.loop import read_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"optimizer_step": 1, "loss": 2.0}\n{"optimizer_step": 2, "lo')
+    notes = []
+    assert read_log(log, notes.append) == [{"optimizer_step": 1, "loss": 2.0}]
+    assert "cut short" in notes[0]
+    log.write_text('{"optimizer_step": 1}\nnot json\n{"optimizer_step": 3}\n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        read_log(log)
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_before_writing_it(tiny_run,
+                                                                           monkeypatch):
+    """Free disk is checked before each checkpoint (the next one the size of the last): the run
+    stops naming the fix, with the checkpoints already written intact, and resumes."""
+    from collections import namedtuple
+
+    import recipe.disk
+
+    cfg = tiny_run("train.max_steps=4", "train.save_every=2")
+    real = recipe.disk.shutil.disk_usage
+    calls = []
+
+    def full_after_one(path):  # room for the first checkpoint only
+        calls.append(path)
+        usage = namedtuple("usage", "total used free")
+        return usage(1, 1, 0) if len(calls) > 1 else real(path)
+
+    monkeypatch.setattr(recipe.disk.shutil, "disk_usage", full_after_one)
+    with pytest.raises(ConfigError, match=r"the checkpoint after optimizer_step 4 needs about "
+                                          r".* resumes from .*step-0*2"):
+        train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
+    monkeypatch.setattr(recipe.disk.shutil, "disk_usage", real)
+    reset_accelerate()
+    summary = train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
+    assert summary.resumed_from == 2 and summary.optimizer_steps == 4
