@@ -42,6 +42,39 @@ class RemoteStats:
     no_finish_reason: int = 0
 
 
+MAX_RETRY_AFTER_S = 120.0
+"""The longest wait a server's Retry-After gets: a longer one (or one in days) would stall
+stage 1, so it is cut to this and the retry counts as one of generation.openai_max_retries."""
+
+
+def checked_choice(answer, vocab_size: int, endpoint: str) -> dict:
+    """A completion reply's first choice, refused (EndpointError, naming the server) where it is
+    not a completion: no choices, a choice that is not an object, token ids that are not
+    integers of the target's vocabulary, or neither token ids nor text. What stage 1 already
+    wrote stays."""
+    def refuse(problem: str) -> EndpointError:
+        return EndpointError(f"{endpoint} answered a completion with {problem}: it does not "
+                             "serve this target as an OpenAI-compatible completion endpoint "
+                             "(check generation.openai_endpoints and openai_model). Every whole "
+                             "batch written is kept.")
+
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise refuse("no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise refuse(f"a choice that is not an object ({str(choice)[:80]!r})")
+    ids = choice.get("token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+            for t in ids)):
+        raise refuse(f"token ids outside the target's vocabulary of {vocab_size} "
+                     f"({str(ids)[:80]})")
+    if ids is None and not isinstance(choice.get("text"), str):
+        raise refuse("neither token_ids nor text")
+    return choice
+
+
 class OpenAIGenerator:
     """The target behind OpenAI-compatible endpoints: replies(prompts, seeds) like the local
     backends, the requests of a batch concurrent."""
@@ -92,7 +125,7 @@ class OpenAIGenerator:
         with self.lock:  # the least busy endpoint (first on a tie)
             i = min(range(len(self.endpoints)), key=lambda e: self.in_flight[e])
         answer = self._request(i, "POST", "/completions", body, "a completion")
-        choice = (answer.get("choices") or [{}])[0]
+        choice = checked_choice(answer, len(self.tokenizer), self.endpoints[i])
         return self._to_reply(choice, answer.get("usage") or {})
 
     def _to_reply(self, choice: dict, usage: dict) -> Reply:
@@ -149,7 +182,8 @@ class OpenAIGenerator:
                 elif response.status_code in RETRIED:
                     last = f"HTTP {response.status_code}: {response.text[:200]}"
                     after = response.headers.get("Retry-After", "")
-                    wait = float(after) if after.replace(".", "", 1).isdigit() else wait
+                    if after.replace(".", "", 1).isdigit():  # the server's wait, bounded
+                        wait = min(float(after), MAX_RETRY_AFTER_S)
                 else:
                     raise EndpointError(
                         f"{url} answered {what} with HTTP {response.status_code}: "

@@ -100,6 +100,7 @@ class Fake:
 
     def __init__(self, answers, model="tiny"):
         self.answers, self.calls, self.bodies = list(answers), 0, []
+        self.retry_after = "0"
         self.app = FastAPI()
 
         @self.app.get("/v1/models")
@@ -111,7 +112,8 @@ class Fake:
             self.bodies.append(json.loads(await request.body()))
             status, body = self.answers[min(self.calls, len(self.answers) - 1)]
             self.calls += 1
-            return JSONResponse(body, status_code=status, headers={"Retry-After": "0"})
+            return JSONResponse(body, status_code=status,
+                                headers={"Retry-After": self.retry_after})
 
 
 def _completion(text="", token_ids=None, finish_reason="length", completion_tokens=None,
@@ -202,3 +204,38 @@ def test_text_that_does_not_retokenize_to_the_servers_count_stops_the_run(smollm
 def test_an_openai_backend_without_what_it_needs_is_refused_at_config_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("body, problem", [
+    ({"choices": []}, "no choices"),
+    ({"usage": {}}, "no choices"),
+    ({"choices": ["text"]}, "a choice that is not an object"),
+    ({"choices": [{"token_ids": [5, 10**9], "finish_reason": "stop"}]},
+     "token ids outside the target's vocabulary"),
+    ({"choices": [{"token_ids": [5, "6"]}]}, "token ids outside"),
+    ({"choices": [{"finish_reason": "stop"}]}, "neither token_ids nor text"),
+])
+def test_a_reply_that_is_no_completion_stops_stage_1_naming_the_server(smollm2_tokenizer, body,
+                                                                      problem):
+    from distill.remote import EndpointError
+    from serving.server import Background
+
+    fake = Fake([(200, body)])
+    with Background(fake.app) as url:
+        generator = _generator(url, smollm2_tokenizer)
+        with pytest.raises(EndpointError, match=rf"{url}/v1 answered a completion with {problem}"):
+            generator.replies([[1, 2]], [0])
+
+
+def test_a_servers_retry_after_is_bounded(smollm2_tokenizer, monkeypatch):
+    import distill.remote
+    from serving.server import Background
+
+    waits = []
+    monkeypatch.setattr(distill.remote.time, "sleep", waits.append)
+    fake = Fake([(503, {"error": "busy"}),
+                 _completion("", token_ids=[5, EOS], finish_reason="stop")])
+    fake.retry_after = "864000"  # ten days
+    with Background(fake.app) as url:
+        [reply] = _generator(url, smollm2_tokenizer).replies([[1]], [0])
+    assert reply.finished and waits == [distill.remote.MAX_RETRY_AFTER_S]
