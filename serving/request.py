@@ -12,8 +12,15 @@ from recipe import ConfigError, DecodeSettings
 from serving.served import Served
 
 KNOBS = {"speculative_decoding", "draft_model", "max_speculative_tokens"}
+MAX_STOP_CHARS = 256
+"""The longest stop string: each is searched in the text after every decoded token."""
 COMMON = {"model", "temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n", "stream",
           "stream_options", "user"} | KNOBS
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
+           "top_logprobs": 0, "logit_bias": None, "parallel_tool_calls": None}
+"""Fields OpenAI clients send that this server does not implement: taken at these values (a
+no-op), refused by name at any other."""
+COMMON |= set(NEUTRAL)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON | {"prompt", "return_token_ids", "stop_token_ids"}  # vLLM's own
 
@@ -103,6 +110,11 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
                              f"{served.model_id!r} (GET /v1/models).", "not_found_error")
     if _number(body, "n", int, 1, 1, 1) != 1:
         raise HTTPError(400, "'n' must be 1.")
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] != neutral:
+            raise HTTPError(400, f"'{name}'={body[name]!r} is not implemented here: the server "
+                                 "returns the target's own distribution, sampled as asked; "
+                                 f"leave it out or at {neutral!r}.")
     tokenizer = served.tokenizer
     prompt = _prompt(body, chat, tokenizer)
     max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body
@@ -116,8 +128,9 @@ def parse_job(body, chat: bool, served: Served, limits: Limits,
     if isinstance(stops, str):
         stops = [stops]
     if not isinstance(stops, list) or len(stops) > 4 or not all(
-            isinstance(s, str) and s for s in stops):
-        raise HTTPError(400, "'stop' must be a non-empty string or a list of at most 4.")
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise HTTPError(400, f"'stop' must be a string of 1 to {MAX_STOP_CHARS} characters or a "
+                             "list of at most 4 such.")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise HTTPError(400, "'stream' must be true or false.")
@@ -163,12 +176,17 @@ def _prompt(body: dict, chat: bool, tokenizer) -> list[int]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise HTTPError(400, "'messages' must be a non-empty list of {role, content} objects "
                                  "with string content.")
-        prompt = render(tokenizer, [{"role": m["role"], "content": m["content"]}
-                                    for m in messages], add_generation_prompt=True)
+        messages = [{"role": m["role"], "content": _content(m.get("content"))} for m in messages]
+        try:
+            prompt = render(tokenizer, [{"role": m["role"], "content": m["content"]}
+                                        for m in messages], add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template refused these messages
+            raise HTTPError(400, f"the target's chat template cannot render these messages "
+                                 f"({type(e).__name__}: {e}); check their roles and "
+                                 "order.") from None
     else:
         text = body.get("prompt")
         if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool)
@@ -181,6 +199,19 @@ def _prompt(body: dict, chat: bool, tokenizer) -> list[int]:
         else:
             raise HTTPError(400, "'prompt' must be a non-empty string or a list of token ids.")
     return prompt
+
+
+def _content(content) -> str:
+    """A message's content: a string, or OpenAI's array of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise HTTPError(400, "'messages' must be a non-empty list of {role, content} objects with "
+                         "string content (or an array of {\"type\": \"text\", \"text\": ...} "
+                         "parts: this server reads text alone).")
 
 
 def _draft_and_k(body: dict, served: Served, limits: Limits) -> tuple[str | None, int]:

