@@ -15,14 +15,17 @@ eagle3+int8+compile, whose compilation runs before the timed steps.
 Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
 is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
 shipped recipes (configs/smollm2-135m-<kind>.yaml: their draft, block size, draft vocabulary)
-are built from the embedded target, untrained (a step's cost does not depend on the weights),
-and run by our engine greedy on MT-bench questions, batch 1, at k = 1..k-max (up to what the
+are built from the embedded target, untrained, and run by our engine greedy on MT-bench questions, batch 1, at k = 1..k-max (up to what the
 kind drafts). It prints per k the draft's milliseconds per drafting step (the engine's own
 clock, decoding/engine.py) and its ratio to a 1-token target forward measured the same way
 (a KV cache holding the question), as the median over --rounds rounds, each of which
 measures every kind and k against its own target forward; then, at --profile-k,
 torch.profiler's view of the draft steps: the operators that take the time, and the share
 left to Python between them.
+The drafts are untrained: their products cost what a trained draft's do, but they are rarely
+accepted, and the accept step (re-running the head or draft over the accepted tokens, cropping
+its cache) does less work when little is accepted, so the figures are lower bounds of a trained
+draft's step, and are printed as such.
 Writes benchmarks/results/draft_step.json when --out is given.
 """
 
@@ -193,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
               f"rounds of the median of 20: {', '.join(f'{f:.1f}' for f in forwards)})")
         for kind, (loaded, draft, top_k) in drafts.items():
             rows = {}
-            print(f"\n{kind}: {loaded.name}")
-            print("| k | ms per draft step | vs a 1-token target forward (rounds' range) | steps |")
+            print(f"\n{kind}: {loaded.name}, untrained (a lower bound of a trained draft's step)")
+            print("| k | ms per draft step (at least) | vs a 1-token target forward (rounds' "
+                  "range) | steps |")
             print("|---|---|---|---|")
             for k, runs in measured[kind].items():
                 ratios = [ratio for _, ratio, _ in runs]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,10 @@ def test_the_check_probes_the_tiny_shape_and_writes_its_table(tmp_path):
     assert set(tiny["training"]) == {"independent", "medusa", "eagle3", "dflash", "pard"}
     assert all(t["tokens_per_s"] > 0 for t in tiny["training"].values())
     table = (tmp_path / "gpu_check.md").read_text()
-    assert "Intel" in table or "AMD" in table or "threads" in table  # names the hardware
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                  .splitlines() if line.startswith("model name")), None)
+    if model is not None:  # names the hardware it ran on: this machine's CPU model
+        assert model in table
     assert "| training tokens/s, eagle3 |" in table
 
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from runfolder import TRAIN_RECORD
 from tests.helpers import ROOT, chat_records, recipe_path, write_jsonl
 
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
@@ -34,7 +35,7 @@ def test_recipe_runs_every_stage(tiny_target, tmp_path, recipe, draft, methods):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
-    assert (out / "train" / "draft" / "draftsmith_train.json").is_file()
+    assert (out / "train" / "draft" / TRAIN_RECORD).is_file()
     report = json.loads((out / "eval" / "results.json").read_text())
     assert set(report["methods"]) == methods
     assert "| speculative |" in result.stdout

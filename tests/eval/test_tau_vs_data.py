@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from eval.tau_vs_data import log_fit, main
+from runfolder import TRAIN_RECORD
 from tests.helpers import write_six_conversations
 
 
@@ -20,7 +21,7 @@ def _run(root, name, max_conversations, tau):
     (run / "train" / "draft").mkdir(parents=True)
     (run / "train" / "draft" / "config.yaml").write_text(
         yaml.safe_dump({"train": {"max_conversations": max_conversations}}))
-    (run / "train" / "draft" / "draftsmith_train.json").write_text(json.dumps(
+    (run / "train" / "draft" / TRAIN_RECORD).write_text(json.dumps(
         {"optimizer_steps": 3, "train_seconds": 50.0,
          "after": {"tau": tau - 0.1, "greedy_tau": tau}}))
     (run / "features").mkdir()

@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from eval.tau_vs_hours import main
+from runfolder import TRAIN_RECORD
 from tests.helpers import write_six_conversations
 
 
@@ -36,7 +37,7 @@ def test_each_held_out_evaluation_is_a_point_at_the_hours_spent_by_then(tmp_path
     run = _run(tmp_path, [_eval(0, 1.0), _step(1, 900, 1.0), _step(2, 1800, 1.0),
                           _eval(2, 1.2), _step(3, 2700, 1.0), _step(4, 3600, 1.0),
                           _eval(4, 1.3)])
-    (run / "train" / "draft" / "draftsmith_train.json").write_text(
+    (run / "train" / "draft" / TRAIN_RECORD).write_text(
         json.dumps({"optimizer_steps": 4}))
     results = {"draft": f"{run / 'train' / 'draft'} (EAGLE-3)", "num_prompts": 10,
                "methods": {"speculative": {"tau": 1.25, "alpha": [0.2]},

@@ -10,6 +10,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 import train.loop as loop
+from runfolder import TRAIN_RECORD
 from train import accelerator_kwargs, train_draft
 
 
@@ -35,7 +36,7 @@ def scripted(monkeypatch):
 
 
 def _record(folder) -> dict:
-    return json.loads((folder / "draftsmith_train.json").read_text())
+    return json.loads((folder / TRAIN_RECORD).read_text())
 
 
 def test_the_best_evaluation_is_kept_and_the_last_step_beside_it(tiny_run, scripted):

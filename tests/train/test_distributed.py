@@ -24,9 +24,9 @@ from train import accelerator_kwargs, train_draft
 pytestmark = pytest.mark.slow  # launches distill.py / accelerate processes
 
 
-def _losses(out: Path) -> dict[int, float]:
+def _losses(out: Path, key: str = "loss") -> dict[int, float]:
     lines = [json.loads(x) for x in (out / "train" / "log.jsonl").read_text().splitlines()]
-    return {e["optimizer_step"]: e["loss"] for e in lines if "loss" in e}
+    return {e["optimizer_step"]: e[key] for e in lines if e.get(key) is not None}
 
 
 KINDS = {"independent": (), "eagle3": EAGLE3}
@@ -43,6 +43,7 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
                    "train.save_every=2")
     train_draft(cfg, Accelerator(**accelerator_kwargs(cfg)))
     single_process_curve = _losses(cfg.run.output_path)
+    single_process_norms = _losses(cfg.run.output_path, "grad_norm")
     prompts, source = tiny_stage1
     out = tmp_path / "dist"
     out.mkdir()
@@ -60,5 +61,11 @@ def test_two_processes_match_one(tiny_run, tiny_target, tiny_stage1, tmp_path, l
     assert list(losses) == [1, 2, 3, 4]
     for step, loss in single_process_curve.items():
         assert losses[step] == pytest.approx(loss, abs=1e-4), (step, losses, single_process_curve)
+    # the gradient before clipping (at 1.0, which with AdamW would hide a constant error in the
+    # cross-process gradient scale from the loss curve): the same norm at every step
+    norms = _losses(out, "grad_norm")
+    assert sorted(single_process_norms) == [1, 2, 3, 4] and sorted(norms) == [1, 2, 3, 4]
+    for step, norm in single_process_norms.items():
+        assert norms[step] == pytest.approx(norm, rel=1e-3), (step, norms, single_process_norms)
     assert (out / "train" / "checkpoints" / "step-00000004").is_dir()
     assert (out / "train" / "draft" / "model.safetensors").is_file()
