@@ -12,21 +12,20 @@ weights (eval.draft_weights: decoding/quantise.py), e.g. eagle3+int8, independen
 +compile with compiled steps (eval.draft_compile; EAGLE-3, independent and PARD drafts), e.g.
 eagle3+int8+compile, whose compilation runs before the timed steps.
 
-Speculation pays only when the draft's step is cheap beside the target's forward: the speedup
-is tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the
-shipped recipes (configs/smollm2-135m-<kind>.yaml: their draft, block size, draft vocabulary)
-are built from the embedded target, untrained, and run by our engine greedy on MT-bench questions, batch 1, at k = 1..k-max (up to what the
-kind drafts). It prints per k the draft's milliseconds per drafting step (the engine's own
-clock, decoding/engine.py) and its ratio to a 1-token target forward measured the same way
-(a KV cache holding the question), as the median over --rounds rounds, each of which
-measures every kind and k against its own target forward; then, at --profile-k,
-torch.profiler's view of the draft steps: the operators that take the time, and the share
-left to Python between them.
-The drafts are untrained: their products cost what a trained draft's do, but they are rarely
-accepted, and the accept step (re-running the head or draft over the accepted tokens, cropping
-its cache) does less work when little is accepted, so the figures are lower bounds of a trained
-draft's step, and are printed as such.
-Writes benchmarks/results/draft_step.json when --out is given.
+Speculation pays only when the draft's step is cheap beside the target's forward: the speedup is
+tau x t_forward / (t_draft_step + t_verify). For each kind, drafts in the shapes of the shipped
+recipes (configs/smollm2-135m-<kind>.yaml: their draft, block size, draft vocabulary) are built
+from the embedded target, untrained, and run by our engine greedy on MT-bench questions, batch
+1, at k = 1..k-max (up to what the kind drafts). It prints per k the draft's milliseconds per
+drafting step (the engine's own clock, decoding/engine.py) and its ratio to a 1-token target
+forward measured the same way (a KV cache holding the question), as the median over --rounds
+rounds, each of which measures every kind and k against its own target forward; then, at
+--profile-k, torch.profiler's view of the draft steps: the operators that take the time, and the
+share left to Python between them. The drafts are untrained: their products cost what a trained
+draft's do, but they are rarely accepted, and the accept step (re-running the head or draft over
+the accepted tokens, cropping its cache) does less work when little is accepted, so the figures
+are lower bounds of a trained draft's step, and are printed as such. Writes
+benchmarks/results/draft_step.json when --out is given.
 """
 
 from __future__ import annotations
