@@ -742,6 +742,9 @@ def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batc
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
+            if accelerator.sync_gradients and grad_norm is None and hasattr(
+                    model, "get_global_grad_norm"):  # DeepSpeed clips inside its step
+                grad_norm = model.get_global_grad_norm()
     return loss_sum, step_tokens, grad_norm
 
 
