@@ -40,9 +40,45 @@ class Upload:
     url: str | None = None
 
 
+def public_config(resolved: dict, local_target: str | None, target_id: str | None) -> dict:
+    """A resolved config as published: what a reader needs to repeat the run, without this
+    machine's paths or a private server's address. The run folder, local source and prompt
+    files keep their file names alone; the target's local folder becomes its hub id (or a note);
+    the stage-1 endpoints are dropped (the environment variable that held the key is a name)."""
+    out = {section: dict(values) for section, values in resolved.items()}
+
+    def local(value) -> bool:
+        return isinstance(value, str) and (value.startswith(("/", "~", "./", "../"))
+                                           or Path(value).expanduser().exists())
+
+    run, model, data = out.get("run", {}), out.get("model", {}), out.get("data", {})
+    if run.get("output_dir") is not None:
+        run["output_dir"] = None
+    if local(model.get("target")):
+        model["target"] = target_id or (
+            f"<a local folder: {Path(model['target']).name}>" if model["target"] != local_target
+            else f"<a local folder: {Path(local_target).name}>")
+    data["sources"] = [f"<a local file: {Path(s).name}>" if local(s) else s
+                       for s in data.get("sources", [])]
+    generation = out.get("generation", {})
+    if generation.get("openai_endpoints"):
+        generation["openai_endpoints"] = [f"<{len(generation['openai_endpoints'])} endpoint(s), "
+                                          "not published>"]
+    ev = out.get("eval", {})
+    for key in ("prompts", "draft"):
+        if local(ev.get(key)):
+            ev[key] = f"<a local path: {Path(ev[key]).name}>"
+    if local(out.get("train", {}).get("draft")):
+        out["train"]["draft"] = f"<a local folder: {Path(out['train']['draft']).name}>"
+    return out
+
+
 def _staged(folder: Path, repo_id: str, local_target: str | None, target_id: str | None,
             into: Path) -> Path:
-    """A copy of the folder whose serving command names hub ids instead of local paths."""
+    """A copy of the folder whose serving command names hub ids instead of local paths, and
+    whose resolved configs hold neither this machine's paths nor private endpoints."""
+    import yaml
+
     staged = into / folder.name
     shutil.copytree(folder, staged)
     for name in ("README.md", "vllm_speculative_config.json"):
@@ -52,6 +88,11 @@ def _staged(folder: Path, repo_id: str, local_target: str | None, target_id: str
             if local_target and target_id:
                 text = text.replace(local_target, target_id)
             path.write_text(text)
+    for path in staged.rglob("config.yaml"):
+        resolved = yaml.safe_load(path.read_text())
+        if isinstance(resolved, dict) and "run" in resolved:  # a draftsmith resolved config
+            path.write_text(yaml.safe_dump(public_config(resolved, local_target, target_id),
+                                           sort_keys=False))
     return staged
 
 

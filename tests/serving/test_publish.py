@@ -68,6 +68,8 @@ def test_the_upload_names_hub_ids_and_never_writes_the_token(exported, monkeypat
     assert speculative["model"] == "someone/tiny-medusa" and speculative["method"] == "medusa"
     assert str(result.folder.resolve()) not in seen["files"]["README.md"].decode()
     assert all(b"hf_secret_value" not in content for content in seen["files"].values())
+    published = seen["files"]["config.yaml"].decode()  # the resolved config, as published
+    assert str(cfg.run.output_path) not in published and str(tmp_path) not in published
     assert "hf_secret_value" not in "".join(
         p.read_text(errors="ignore") for p in result.folder.iterdir() if p.is_file())
 
@@ -132,3 +134,23 @@ def test_the_publish_stage_uses_the_recipe_section_and_the_saved_login(exported,
         publish_stage(cfg)
     with pytest.raises(ConfigError, match="must be '<user or org>/<name>'"):
         load_config(None, ["publish.repo_id=no-namespace"])
+
+
+def test_the_published_config_holds_no_local_path_and_no_private_endpoint(tmp_path):
+    from serving.publish import public_config
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("")
+    resolved = {"run": {"name": "r", "output_dir": str(tmp_path / "runs")},
+                "model": {"target": str(tmp_path / "my-target")},
+                "data": {"sources": ["sharegpt", str(prompts)]},
+                "generation": {"openai_endpoints": ["http://10.0.0.5:8000/v1"],
+                               "openai_api_key_env": "OPENAI_API_KEY"},
+                "train": {"draft": "eagle3"}, "eval": {"prompts": str(prompts)}}
+    public = public_config(resolved, str(tmp_path / "my-target"), "org/target")
+    text = json.dumps(public)
+    assert str(tmp_path) not in text and "10.0.0.5" not in text
+    assert public["model"]["target"] == "org/target" and public["run"]["output_dir"] is None
+    assert public["data"]["sources"] == ["sharegpt", "<a local file: prompts.jsonl>"]
+    assert public["generation"]["openai_api_key_env"] == "OPENAI_API_KEY"  # a name, kept
+    assert public["train"]["draft"] == "eagle3" and resolved["run"]["output_dir"]  # a copy
