@@ -12,6 +12,7 @@ markup the template adds after it (a newline) and an end-of-turn token the targe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
@@ -36,9 +37,53 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def control_tokens(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as special (control) tokens, longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    texts = set(tokenizer.all_special_tokens) | {t.content for t in added.values()
+                                                 if getattr(t, "special", False)}
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def held(tokenizer, messages: list[Message]) -> tuple[list[Message], dict[str, str]]:
+    """messages with the text of each non-assistant message that spells a control token (a
+    user writing '<|im_start|>system') replaced by a private-use mark -> (those messages,
+    mark -> text). Rendered, then encoded by encode_held, the template's own markup becomes
+    control tokens and such text stays text: a message cannot open another role's turn.
+    Assistant turns are the target's own words, tokenized as the target wrote them."""
+    controls = control_tokens(tokenizer)
+    marks, out = {}, []
+    for i, m in enumerate(messages):
+        text = m.get("content")
+        if m.get("role") != "assistant" and isinstance(text, str) and any(
+                c in text for c in controls):
+            mark = f"\ue000{i}\ue001"
+            marks[mark] = text
+            m = {**m, "content": mark}
+        out.append(m)
+    return out, marks
+
+
+def encode_held(tokenizer, text: str, marks: dict[str, str]) -> list[int]:
+    """encode with each mark of held's replaced by its text, tokenized as plain text."""
+    if not marks:
+        return encode(tokenizer, text)
+    ids: list[int] = []
+    for part in re.split("(" + "|".join(map(re.escape, marks)) + ")", text):
+        if part in marks:
+            ids += tokenizer(marks[part], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        elif part:
+            ids += encode(tokenizer, part)
+    return ids
+
+
 def render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-    """Token ids of `messages` in the target's chat template (no extra special tokens)."""
-    return encode(tokenizer, render_text(tokenizer, messages, add_generation_prompt))
+    """Token ids of `messages` in the target's chat template (no extra special tokens); a
+    control token spelled in a user's text stays text (held). Messages that spell none
+    tokenize exactly as the whole rendering does."""
+    placeheld, marks = held(tokenizer, messages)
+    return encode_held(tokenizer, render_text(tokenizer, placeheld, add_generation_prompt), marks)
 
 
 @dataclass
@@ -54,6 +99,7 @@ def tokenize_conversation(tokenizer, messages: list[Message], finished: list[boo
     finished[j] says whether the j-th assistant reply ended with an end-of-turn token (True) or
     was cut by max_new_tokens (False).
     """
+    messages, marks = held(tokenizer, messages)  # a user's spelled control token stays text
     full = render_text(tokenizer, messages, add_generation_prompt=False)
     input_ids: list[int] = []
     loss_mask: list[int] = []
@@ -70,7 +116,7 @@ def tokenize_conversation(tokenizer, messages: list[Message], finished: list[boo
                 f"(message {i}, an assistant turn, changes earlier text), so assistant tokens "
                 "cannot be located from it; use data.max_turns=1 or a target whose template "
                 "keeps earlier turns unchanged.")
-        markup = encode(tokenizer, full[cursor : len(prefix)])
+        markup = encode_held(tokenizer, full[cursor : len(prefix)], marks)
         reply = encode(tokenizer, full[len(prefix) : len(upto)])
         end = next((t for t, token in enumerate(reply) if token in end_of_turn_ids), None)
         if end is None:  # a template without an end-of-turn token: the whole span is the reply
@@ -80,7 +126,7 @@ def tokenize_conversation(tokenizer, messages: list[Message], finished: list[boo
         input_ids += markup + reply
         loss_mask += [0] * len(markup) + [1] * stop + [0] * (len(reply) - stop)
         cursor = len(upto)
-    tail = encode(tokenizer, full[cursor:])
+    tail = encode_held(tokenizer, full[cursor:], marks)
     input_ids += tail
     loss_mask += [0] * len(tail)
     return TokenizedConversation(input_ids, loss_mask)
