@@ -857,8 +857,9 @@ RENAMED = {
 
 
 def with_current_names(resolved: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """A resolved config saved before RENAMED (a checkpoint's config.yaml) under today's key
-    names, groups included, so that a resume compares like with like."""
+    """A resolved config saved by an earlier version (a checkpoint's config.yaml) under today's
+    key names (RENAMED), groups included, and with today's defaults for the keys added since
+    (a key that did not exist meant its default), so that a resume compares like with like."""
     out = {section: dict(values) for section, values in resolved.items()}
     for old, new in RENAMED.items():
         section, _, name = old.partition(".")
@@ -868,6 +869,13 @@ def with_current_names(resolved: dict[str, dict[str, Any]]) -> dict[str, dict[st
             for part in path[:-1]:
                 group = group.setdefault(part, {})
             group[path[-1]] = value
+    for section, values in Config().to_dict().items():
+        saved = out.setdefault(section, {})
+        for key, default in values.items():
+            if isinstance(default, dict) and isinstance(saved.get(key), dict):
+                saved[key] = {**default, **saved[key]}
+            else:
+                saved.setdefault(key, default)
     return out
 
 

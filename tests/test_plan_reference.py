@@ -68,6 +68,8 @@ def config_changes(now: dict, recorded: dict, defaults: dict) -> list[str]:
     for section, values in now.items():
         for key, value in values.items():
             was = recorded.get(section, {}).get(key, defaults[section][key])
+            if isinstance(value, dict) and isinstance(was, dict):  # a group: key by key
+                was = {**defaults[section][key], **was}
             if value != was:
                 changes.append(f"{section}.{key}: {was!r} -> {value!r}")
     return changes

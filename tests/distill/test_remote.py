@@ -238,4 +238,5 @@ def test_a_servers_retry_after_is_bounded(smollm2_tokenizer, monkeypatch):
     fake.retry_after = "864000"  # ten days
     with Background(fake.app) as url:
         [reply] = _generator(url, smollm2_tokenizer).replies([[1]], [0])
-    assert reply.finished and waits == [distill.remote.MAX_RETRY_AFTER_S]
+    # (time.sleep is the time module's: the test server's own short polls are recorded too)
+    assert reply.finished and [w for w in waits if w > 1] == [distill.remote.MAX_RETRY_AFTER_S]

@@ -136,7 +136,8 @@ def test_a_group_of_keys_reads_as_a_mapping_or_key_by_key(tmp_path):
     cfg = load_config(recipe, ["train.eagle3.intermediate_size=64"])
     assert cfg.train.eagle3 == Eagle3Config(ttt_steps=3, intermediate_size=64, layers=2)
     assert cfg.to_dict()["train"]["eagle3"] == {"ttt_steps": 3, "intermediate_size": 64,
-                                                "layers": 2}
+                                                "layers": 2, "fc_norm": False,
+                                                "norm_output": False}
     saved = tmp_path / "resolved.yaml"
     cfg.save(saved)
     assert load_config(saved) == cfg  # the resolved config reads back, groups included
