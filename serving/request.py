@@ -222,6 +222,9 @@ def _draft_and_k(body: dict, served: Served, limits: Limits) -> tuple[str | None
                          name is not None or served.default_draft is not None)
     if not isinstance(speculate, bool):
         raise HTTPError(400, "'speculative_decoding' must be true or false.")
+    if name is not None and not isinstance(name, str):
+        raise HTTPError(400, f"'draft_model' must be a draft's name (one of "
+                             f"{sorted(served.drafts)}), got {str(name)[:80]!r}.")
     if name is not None and name not in served.drafts:
         raise HTTPError(400, f"draft_model {name!r} is not loaded: choose one of "
                              f"{sorted(served.drafts)} (start the server with --draft "
