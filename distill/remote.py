@@ -126,12 +126,15 @@ class OpenAIGenerator:
             i = min(range(len(self.endpoints)), key=lambda e: self.in_flight[e])
         answer = self._request(i, "POST", "/completions", body, "a completion")
         choice = checked_choice(answer, len(self.tokenizer), self.endpoints[i])
-        return self._to_reply(choice, answer.get("usage") or {})
+        return self._to_reply(choice, answer.get("usage"))
 
-    def _to_reply(self, choice: dict, usage: dict) -> Reply:
-        """One completion choice -> Reply: the server's token ids (or the text re-tokenized
-        and checked), the end-of-turn token kept as the local backends keep it."""
+    def _to_reply(self, choice: dict, usage) -> Reply:
+        """One completion choice (checked_choice's) -> Reply: the server's token ids (or the
+        text re-tokenized and checked), the end-of-turn token kept as the local backends keep
+        it. A finish reason, stop reason or usage of the wrong type counts as absent."""
         reason = choice.get("finish_reason")
+        reason = reason if isinstance(reason, str) else None
+        usage = usage if isinstance(usage, dict) else {}
         ids = choice.get("token_ids")
         with self.lock:
             self.stats.replies += 1
@@ -141,6 +144,7 @@ class OpenAIGenerator:
             text = choice.get("text") or ""
             ids = encode(self.tokenizer, text)
             counted = usage.get("completion_tokens")
+            counted = counted if isinstance(counted, int) and not isinstance(counted, bool) else None
             stop = reason == "stop" and not (ids and ids[-1] in self.eos_ids)
             mismatch = (self.tokenizer.decode(ids, skip_special_tokens=False) != text
                         or counted is not None and counted != len(ids) + stop)
@@ -150,7 +154,8 @@ class OpenAIGenerator:
         finished = reason == "stop"
         if finished and (not ids or ids[-1] not in self.eos_ids):  # kept as the local backends
             stop_reason = choice.get("stop_reason")  # vLLM: the stop token's id
-            ids.append(stop_reason if stop_reason in self.eos_ids else min(self.eos_ids))
+            known = isinstance(stop_reason, int) and stop_reason in self.eos_ids
+            ids.append(stop_reason if known else min(self.eos_ids))
         return Reply(ids, finished, reason or "none")
 
     def _request(self, i: int, method: str, path: str, body: dict | None, what: str,

@@ -240,3 +240,36 @@ def test_a_servers_retry_after_is_bounded(smollm2_tokenizer, monkeypatch):
         [reply] = _generator(url, smollm2_tokenizer).replies([[1]], [0])
     # (time.sleep is the time module's: the test server's own short polls are recorded too)
     assert reply.finished and [w for w in waits if w > 1] == [distill.remote.MAX_RETRY_AFTER_S]
+
+
+def test_random_replies_are_a_reply_or_an_endpoint_error_and_nothing_else(smollm2_tokenizer):
+    """checked_choice and the reply's reading under 2,000 seeded random completions (wrong
+    types in every field: choices, token ids, text, finish and stop reasons, usage)."""
+    import random
+
+    from distill.remote import EndpointError, checked_choice
+    from tests.serving.test_request_fuzz import junk
+
+    from serving.server import Background
+
+    with Background(Fake([]).app) as url:  # the served name, read once at start
+        generator = _generator(url, smollm2_tokenizer)
+    rng, outcomes = random.Random(0), {"reply": 0, "refused": 0}
+    try:
+        for _ in range(2000):
+            choice = {key: junk(rng) for key in rng.sample(
+                ["token_ids", "text", "finish_reason", "stop_reason", "index"], 3)}
+            if rng.random() < 0.4:
+                choice["token_ids"] = [rng.randrange(-2, 50000) for _ in range(rng.randrange(4))]
+            answer = {"choices": [choice] if rng.random() < 0.9 else junk(rng),
+                      "usage": junk(rng) if rng.random() < 0.5 else {"completion_tokens": 3}}
+            try:
+                reply = generator._to_reply(checked_choice(answer, len(smollm2_tokenizer), "s"),
+                                            answer["usage"])
+                assert all(isinstance(t, int) for t in reply.token_ids)
+                outcomes["reply"] += 1
+            except EndpointError:
+                outcomes["refused"] += 1
+    finally:
+        generator.close()
+    assert outcomes["reply"] > 100 and outcomes["refused"] > 100, outcomes
