@@ -144,7 +144,8 @@ class OpenAIGenerator:
             text = choice.get("text") or ""
             ids = encode(self.tokenizer, text)
             counted = usage.get("completion_tokens")
-            counted = counted if isinstance(counted, int) and not isinstance(counted, bool) else None
+            if not isinstance(counted, int) or isinstance(counted, bool):
+                counted = None
             stop = reason == "stop" and not (ids and ids[-1] in self.eos_ids)
             mismatch = (self.tokenizer.decode(ids, skip_special_tokens=False) != text
                         or counted is not None and counted != len(ids) + stop)

@@ -248,9 +248,8 @@ def test_random_replies_are_a_reply_or_an_endpoint_error_and_nothing_else(smollm
     import random
 
     from distill.remote import EndpointError, checked_choice
-    from tests.serving.test_request_fuzz import junk
-
     from serving.server import Background
+    from tests.serving.test_request_fuzz import junk
 
     with Background(Fake([]).app) as url:  # the served name, read once at start
         generator = _generator(url, smollm2_tokenizer)
