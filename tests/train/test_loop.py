@@ -268,7 +268,8 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     cfg = tiny_run(*overrides, f"run.output_dir={killed}")
     command = [*launcher, str(root / "distill.py"), "--config",
                str(root / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
-               *[f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}"
+               *[f"{section}.{key}="
+                 f"{json.dumps(value) if isinstance(value, (list, dict)) else value}"
                  for section, values in cfg.to_dict().items() for key, value in values.items()
                  if section in ("run", "model", "train", "eval") and value is not None]]
     process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL,
@@ -550,7 +551,8 @@ def test_a_2_process_launch_shows_progress_stops_on_sigterm_and_resumes_its_wand
     cfg = tiny_run(*overrides, f"run.output_dir={out}")
     command = [*accelerate_launch("ddp-cpu.yaml"), str(ROOT / "distill.py"), "--config",
                str(ROOT / "configs" / "smollm2-135m-independent.yaml"), "--stage", "train",
-               *[f"{section}.{key}={json.dumps(value) if isinstance(value, list) else value}"
+               *[f"{section}.{key}="
+                 f"{json.dumps(value) if isinstance(value, (list, dict)) else value}"
                  for section, values in cfg.to_dict().items() for key, value in values.items()
                  if section in ("run", "model", "train", "eval", "tracking")
                  and value is not None]]
