@@ -43,15 +43,16 @@ from dataclasses import dataclass
 
 import torch
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from recipe import ConfigError
 from serving.engines.vllm import VLLM
-from serving.request import HTTPError, Job, Limits, parse_job
+from serving.request import ChatRequest, CompletionRequest, HTTPError, Job, Limits, read_job
 from serving.scheduler import Metrics, Scheduler
 from serving.served import Served, model_id
 
-__all__ = ["Background", "HTTPError", "Limits", "Served", "create_app", "model_id", "parse_job"]
+__all__ = ["Background", "HTTPError", "Limits", "Served", "create_app", "model_id", "read_job"]
 
 
 def create_app(served: Served, limits: Limits, api_key: str | None = None):
@@ -67,36 +68,7 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
     app = FastAPI(title="draftsmith speculative server", lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.metrics = metrics
-
-    def error(status: int, message: str, kind: str, headers=None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                            status_code=status, headers=headers)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        endpoint = request.url.path
-        response = None
-        try:
-            if api_key is not None and endpoint != "/health":
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                         "<key>'.", "authentication_error")
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-                raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
-            response = await call_next(request)
-        except HTTPError as e:
-            response = error(e.status, e.message, e.kind, e.headers)
-        except Exception:  # noqa: BLE001 - no traceback in an HTTP answer; it goes to the log
-            traceback.print_exc()
-            response = error(500, "internal error (the server's log has the details).",
-                             "server_error")
-        # labelled by the route it matched, not its path: unknown paths share one series
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"),
-                                str(response.status_code)).inc()
-        return response
+    _guard(app, limits, metrics, api_key)
 
     @app.get("/health")
     async def health():
@@ -115,15 +87,71 @@ def create_app(served: Served, limits: Limits, api_key: str | None = None):
                                             "created": 0, "owned_by": "draftsmith",
                                             "drafts": sorted(served.drafts)}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat_completions(request: Request):
         return await _complete(request, True, served, limits, scheduler)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await _complete(request, False, served, limits, scheduler)
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _error(status: int, message: str, kind: str, headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status, headers=headers)
+
+
+def _guard(app: FastAPI, limits: Limits, metrics: Metrics, api_key: str | None) -> None:
+    """Every request: the API key, the declared body size, an HTTPError as its JSON answer, any
+    other exception as a 500 without a traceback, counted by the route it matched."""
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        endpoint = request.url.path
+        response = None
+        try:
+            if api_key is not None and endpoint != "/health":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer "
+                                         "<key>'.", "authentication_error")
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
+                raise HTTPError(413, f"the request body is over {limits.max_body_bytes} bytes.")
+            response = await call_next(request)
+        except HTTPError as e:
+            response = _error(e.status, e.message, e.kind, e.headers)
+        except Exception:  # noqa: BLE001 - no traceback in an HTTP answer; it goes to the log
+            traceback.print_exc()
+            response = _error(500, "internal error (the server's log has the details).",
+                              "server_error")
+        # labelled by the route it matched, not its path: unknown paths share one series
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"),
+                                str(response.status_code)).inc()
+        return response
+
+
+def _body_schema(model) -> dict:
+    """A request model as the route's body in /openapi.json (the routes read the raw body
+    themselves, to cap its size as it arrives); _openapi adds the model to its components."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the app, with the request models and their sub-models."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        shared = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatRequest, CompletionRequest):
+            own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            shared.update(own.pop("$defs", {}))
+            shared[model.__name__] = own
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _complete(request: Request, chat: bool, served: Served, limits: Limits,
@@ -139,8 +167,8 @@ async def _complete(request: Request, chat: bool, served: Served, limits: Limits
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HTTPError(400, f"the request body is not valid JSON ({e}).") from None
     # templating and tokenizing a long prompt off the event loop: /health and others stay live
-    job, stream, options = await asyncio.to_thread(parse_job, body, chat, served, limits,
-                                                   asyncio.get_running_loop())
+    job, asked = await asyncio.to_thread(read_job, body, chat, served, limits,
+                                         asyncio.get_running_loop())
     if not scheduler.submit(job):
         raise HTTPError(429, f"the server is busy ({limits.max_queue} requests waiting or "
                              "running): retry after a second.", "rate_limit_error",
@@ -148,8 +176,9 @@ async def _complete(request: Request, chat: bool, served: Served, limits: Limits
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     shape = _Shape(rid, int(time.time()), served.model_id, chat, len(job.prompt),
                    job.return_token_ids)
-    if stream:
-        return StreamingResponse(_stream(job, shape, options["include_usage"]),
+    if asked.stream:
+        usage = asked.stream_options is not None and asked.stream_options.include_usage
+        return StreamingResponse(_stream(job, shape, usage),
                                  media_type="text/event-stream")
     try:
         while True:
@@ -296,6 +325,27 @@ def is_loopback(host: str) -> bool:
         return False  # a name: whatever it resolves to, assume others reach it
 
 
+def _become_vllm(cfg, args) -> None:
+    """This process becomes vLLM's OpenAI server on the export: a SIGTERM (a scheduler's stop)
+    reaches it, and nothing is left holding the GPU when the command ends."""
+    from assets.target import vllm_cpu_environment
+    from recipe import cache_root
+
+    command = VLLM(enforce_eager=args.enforce_eager).server_argv(cfg, model_id(cfg), args.host,
+                                                                 args.port)
+    print(f"[server] vLLM's OpenAI server at http://{args.host}:{args.port}/v1 "
+          f"(model {command[command.index('--served-model-name') + 1]!r}); "
+          f"speculation is fixed at start there, not per request:\n  "
+          + " ".join(command[:3] + ["..."]), flush=True)
+    env = dict(os.environ)
+    if args.api_key:  # in the environment, not the argv anyone can read with ps
+        env["VLLM_API_KEY"] = args.api_key
+    if not torch.cuda.is_available():  # vLLM for CPU: cores bound, a bounded KV cache
+        env.update(vllm_cpu_environment(str(cache_root())))
+    sys.stdout.flush()
+    os.execve(command[0], command, env)
+
+
 def main(argv: list[str] | None = None) -> int:
     from recipe import load_config
 
@@ -328,24 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine == "vllm":
             if args.draft:
                 raise ConfigError("--draft is for our engine: vLLM serves the one exported draft.")
-            command = VLLM(enforce_eager=args.enforce_eager).server_argv(
-                cfg, model_id(cfg), args.host, args.port)
-            print(f"[server] vLLM's OpenAI server at http://{args.host}:{args.port}/v1 "
-                  f"(model {command[command.index('--served-model-name') + 1]!r}); "
-                  f"speculation is fixed at start there, not per request:\n  "
-                  + " ".join(command[:3] + ["..."]), flush=True)
-            from assets.target import vllm_cpu_environment
-            from recipe import cache_root
-
-            env = dict(os.environ)
-            if args.api_key:  # in the environment, not the argv anyone can read with ps
-                env["VLLM_API_KEY"] = args.api_key
-            if not torch.cuda.is_available():  # vLLM for CPU: cores bound, a bounded KV cache
-                env.update(vllm_cpu_environment(str(cache_root())))
-            sys.stdout.flush()
-            # vLLM's server becomes this process: a SIGTERM (a scheduler's stop) reaches it, and
-            # nothing is left holding the GPU when the command ends
-            os.execve(command[0], command, env)
+            _become_vllm(cfg, args)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         served = Served(cfg, parse_drafts(args.draft), device)
     except ConfigError as e:

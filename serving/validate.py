@@ -319,6 +319,21 @@ def results_path(cfg: Config, engine: ServingEngine) -> Path:
     return run_folder(cfg).validate / engine.report_name
 
 
+def _sampled_fields(c, mine: list, label: str) -> tuple[dict, list[str]]:
+    """A sampled run's comparison: each engine's tau and alpha_k with their intervals (texts
+    are not comparable one by one)."""
+    counted = [RequestStats(steps=m.drafts, accepted=sum(m.accepted_per_position),
+                            drafted_per_position=m.drafted_per_position,
+                            accepted_per_position=m.accepted_per_position) for m in mine]
+    fields, failures = sampled_comparison(counted, c.drafts, c.drafted_per_position,
+                                          c.accepted_per_position, label)
+    tau_ours, alpha_ours, _ = measured_acceptance(counted)
+    tau_engine, alpha_engine = rates(c.drafts, c.accepted_per_position, c.drafted_per_position)
+    fields.update(tau_ours=tau_ours, tau_engine=tau_engine, alpha_ours=alpha_ours,
+                  alpha_engine=alpha_engine, identical_engine_texts=0, identical_to_our_engine=0)
+    return fields, failures
+
+
 def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | None = None,
              tolerance: float = 0.05, settings: DecodeSettings | None = None,
              our_draft_temperature: float | None = None,
@@ -343,19 +358,8 @@ def validate(cfg: Config, engine: ServingEngine | str = "vllm", folder: Path | N
              "top_k": settings.top_k, **spec.report}
     plain = None
     if settings.temperature > 0:  # sampled texts are not comparable one by one
-        c, counted = spec.counters, [
-            RequestStats(steps=m.drafts, accepted=sum(m.accepted_per_position),
-                         drafted_per_position=m.drafted_per_position,
-                         accepted_per_position=m.accepted_per_position) for m in mine]
-        fields, failures = sampled_comparison(counted, c.drafts, c.drafted_per_position,
-                                              c.accepted_per_position, engine.label)
-        tau_ours, alpha_ours, _ = measured_acceptance(counted)
-        tau_engine, alpha_engine = rates(c.drafts, c.accepted_per_position,
-                                         c.drafted_per_position)
-        fields.update(tau_ours=tau_ours, tau_engine=tau_engine, alpha_ours=alpha_ours,
-                      alpha_engine=alpha_engine, identical_engine_texts=0,
-                      identical_to_our_engine=0,
-                      draft_temperature_ours=drafting.draft_temperature,
+        fields, failures = _sampled_fields(spec.counters, mine, engine.label)
+        fields.update(draft_temperature_ours=drafting.draft_temperature,
                       draft_temperature_engine=as_engine.draft_temperature,
                       draft_top_k_ours=drafting.draft_top_k)
         tolerance = 0.0

@@ -102,3 +102,38 @@ def test_the_kind_name_scan_finds_a_comparison(tmp_path, monkeypatch):
     monkeypatch.setattr(layers, "project_files", lambda: ["serving/leak.py"])
     assert layers.kind_name_comparisons({"eagle3"}) == ["serving/leak.py:2"]
     assert layers.kind_name_comparisons({"pard"}) == ["serving/leak.py:2"]
+
+
+LONGEST = {"serving": 60, "": 80}
+"""The longest function, in lines, a package may hold ("" every package but benchmarks and the
+tests): one that reads in one screen, its parts named."""
+
+
+def long_functions(files: list[str]) -> list[str]:
+    """'path:name (lines)' for each function longer than its package allows."""
+    found = []
+    for path in files:
+        package = path.split("/")[0] if "/" in path else ""
+        if package in ("benchmarks", "tests"):
+            continue
+        limit = LONGEST.get(package, LONGEST[""])
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path}:{node.name} ({lines})")
+    return found
+
+
+def test_no_function_is_longer_than_its_package_allows():
+    assert long_functions(project_files()) == []
+
+
+def test_the_length_scan_finds_a_long_function(tmp_path, monkeypatch):
+    import tests.test_layers as layers
+
+    (tmp_path / "serving").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (tmp_path / "serving" / "long.py").write_text(f"def short():\n    pass\n\n\ndef f():\n{body}")
+    monkeypatch.setattr(layers, "ROOT", tmp_path)
+    assert layers.long_functions(["serving/long.py"]) == ["serving/long.py:f (61)"]

@@ -150,6 +150,9 @@ def _post(server, path, body, key=KEY, raw=None):
     ({"logprobs": True}, KEY, None, 400, "'logprobs'=True is not implemented"),
     ({"best_of": 2}, KEY, None, 400, "unknown field(s) ['best_of']"),
     ({"stop": "x" * 300}, KEY, None, 400, "1 to 256 characters"),
+    ({"temperature": "hot"}, KEY, None, 400, "'temperature': input should be a valid number"),
+    ({"max_tokens": 4.5}, KEY, None, 400, "'max_tokens': input should be a valid integer"),
+    ({"logit_bias": {"11": 5}}, KEY, None, 400, "'logit_bias'={'11': 5.0} is not implemented"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, KEY, None, 400,
      "this server reads text alone"),
     ({"n": 2}, KEY, None, 400, "outside"),
@@ -174,19 +177,37 @@ def test_bad_requests_get_a_4xx_naming_the_problem_and_the_server_keeps_serving(
     assert ok.status_code == 200
 
 
+def test_openai_fields_at_their_neutral_values_are_taken_and_the_schema_is_published(server,
+                                                                                     served):
+    r = _post(server, "/v1/chat/completions", {
+        "model": served.model_id, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]}],
+        "max_tokens": 4, "temperature": 0, "logit_bias": {}, "presence_penalty": 0.0,
+        "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "parallel_tool_calls": True,
+        "user": "someone", "stream_options": None})
+    assert r.status_code == 200, r.text
+    schema = httpx.get(server.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60).json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]
+    assert chat["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatRequest"}
+    components = schema["components"]["schemas"]
+    assert {"ChatRequest", "CompletionRequest", "Message", "TextPart"} <= set(components)
+    assert components["ChatRequest"]["additionalProperties"] is False
+    assert "messages" in components["ChatRequest"]["required"]
+
+
 def test_a_server_without_a_trained_draft_needs_one_named(served):
-    from serving.server import HTTPError, parse_job
+    from serving.server import HTTPError, read_job
 
     saved, served.default_draft = served.default_draft, None
     try:
-        job, _, _ = parse_job({"messages": CHAT, "temperature": 0}, True, served, Limits(),
-                              None)
+        job, _ = read_job({"messages": CHAT, "temperature": 0}, True, served, Limits(), None)
         assert job.draft is None  # plain decoding by default
         with pytest.raises(HTTPError, match="no trained draft"):
-            parse_job({"messages": CHAT, "speculative_decoding": True}, True, served, Limits(),
+            read_job({"messages": CHAT, "speculative_decoding": True}, True, served, Limits(),
                       None)
-        job, _, _ = parse_job({"messages": CHAT, "temperature": 0, "draft_model": "ngram"},
-                              True, served, Limits(), None)
+        job, _ = read_job({"messages": CHAT, "temperature": 0, "draft_model": "ngram"},
+                          True, served, Limits(), None)
         assert job.draft == "ngram"
     finally:
         served.default_draft = saved
