@@ -104,8 +104,9 @@ def run_phase(url: str, model: str, prompts: list[list[dict]], clients: int, req
 
 @contextlib.contextmanager
 def server(config: str, overrides: list[str], drafts: list[str], max_queue: int,
-           max_batch: int, max_tokens: int):
-    """`python -m serving.server` on a free port of 127.0.0.1 -> (its url, /v1/models' entry)."""
+           max_batch: int, max_tokens: int, process: bool = False):
+    """`python -m serving.server` on a free port of 127.0.0.1 -> (its url, /v1/models' entry),
+    and its process too when asked."""
     import httpx
 
     with socket.socket() as s:
@@ -127,7 +128,8 @@ def server(config: str, overrides: list[str], drafts: list[str], max_queue: int,
             if time.time() > deadline:
                 raise SystemExit("the server did not answer /health within 600 s")
             time.sleep(1)
-        yield url, httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        yield (url, model, proc) if process else (url, model)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
