@@ -123,17 +123,20 @@ class _Ids:
 
 def training_steps(kind_overrides: list[str], target, examples: list, accelerator,
                    steps: int) -> dict:
-    """steps optimizer steps of the training loop's micro-step (target features and logits,
-    the draft's forward, slot loss, backward, clip, AdamW) on one batch of examples under the
-    accelerator (its device and mixed precision) -> {"losses", "grad_norms" (per token),
-    "seconds" (after the first step), "tokens" (per step)}."""
+    """steps optimizer steps of the training loop's own step (train.loop.step_on_batches:
+    target features and logits, the draft's forward, the weighted loss, backward, clip, AdamW)
+    on one batch of examples under the accelerator (its device and mixed precision) ->
+    {"losses" (per loss token), "grad_norms" (before clipping, which is off), "seconds" (after
+    the first step), "tokens" (per step)}."""
     from recipe import load_config
     from train.data import collate
-    from train.loop import TargetSignal, _unwrap, check_train_config, weighted_loss
+    from train.loop import Dist, TargetSignal, TrainState, _unwrap, check_train_config, \
+        step_on_batches
 
     cfg = load_config(ROOT / "configs" / "smollm2-135m-independent.yaml", [
         *kind_overrides, "train.loss=0.5*fkl+0.5*ce", "train.target_features=online",
-        "train.target_logits=online", "train.eval_k=3",
+        "train.target_logits=online", "train.eval_k=3", "train.feature_noise=0",
+        "train.gradient_accumulation_steps=1", "train.max_grad_norm=1e9",
         f"train.mixed_precision={accelerator.mixed_precision}"])
     tcfg = cfg.train
     kind = check_train_config(tcfg)
@@ -145,19 +148,15 @@ def training_steps(kind_overrides: list[str], target, examples: list, accelerato
     model, optimizer = accelerator.prepare(model, optimizer)
     signal = TargetSignal.for_run(cfg, target, _unwrap(model), accelerator.autocast)
     batch = collate(examples, 0, max(len(e.input_ids) for e in examples)).to(accelerator.device)
+    dist, state = Dist.of(accelerator), TrainState()
     losses, norms, seconds = [], [], 0.0
     for step in range(steps):
         sync(accelerator.device)
         start = time.perf_counter()
-        hidden, p_logits = signal(batch)
-        logits = model(batch.input_ids, batch.attention_mask, batch.pred_mask, hidden)
-        rows = _unwrap(model).loss_rows(batch.pred_mask)
-        loss = weighted_loss(tcfg, model, rows, logits, p_logits, batch.labels) / batch.loss_tokens
-        accelerator.backward(loss)
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1e9)))
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        loss_sum, tokens, norm = step_on_batches(cfg, accelerator, dist, model, optimizer,
+                                                 [batch], signal, state)
+        losses.append(loss_sum / tokens)
+        norms.append(float(norm))
         sync(accelerator.device)
         if step > 0:
             seconds += time.perf_counter() - start

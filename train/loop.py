@@ -675,7 +675,7 @@ def _train_step(t: _Training) -> dict:
         group["lr"] = lr
     batches = _step_batches(t.cfg, t.data, t.state.optimizer_step, t.dist, t.accelerator,
                             t.model, t.eos_ids, t.pad_id)
-    loss_sum, step_tokens, grad_norm = _optimizer_step(
+    loss_sum, step_tokens, grad_norm = step_on_batches(
         t.cfg, t.accelerator, t.dist, t.model, t.optimizer, batches, t.signal, t.state)
     entry = t.state.advance(t.dist, batches, loss_sum, step_tokens, lr, grad_norm, started)
     t.log.write(entry)
@@ -710,7 +710,7 @@ def _step_batches(cfg: Config, data, optimizer_step: int, dist: Dist, accelerato
     return batches
 
 
-def _optimizer_step(cfg: Config, accelerator, dist: Dist, model, optimizer, batches, signal,
+def step_on_batches(cfg: Config, accelerator, dist: Dist, model, optimizer, batches, signal,
                     state: TrainState) -> tuple[float, float, torch.Tensor | None]:
     """Forward and backward over the step's micro-batches, then one optimizer step ->
     (the summed loss, the step's loss tokens on every process, the gradient norm)."""

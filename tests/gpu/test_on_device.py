@@ -167,7 +167,7 @@ def test_sampling_on_the_device_keeps_the_targets_distribution(target, device, k
 
 
 def _train_step(kind: str, device: torch.device, precision: str) -> tuple[float, float]:
-    """One step of the training loop's micro-step (benchmarks.gpu_check.training_steps) for
+    """One step of the training loop's own step (benchmarks.gpu_check.training_steps) for
     this kind on a tiny 64-token target, under accelerate with mixed_precision=precision ->
     (loss per token, gradient norm)."""
     from accelerate import Accelerator
