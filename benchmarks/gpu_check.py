@@ -130,8 +130,14 @@ def training_steps(kind_overrides: list[str], target, examples: list, accelerato
     the first step), "tokens" (per step)}."""
     from recipe import load_config
     from train.data import collate
-    from train.loop import Dist, TargetSignal, TrainState, _unwrap, check_train_config, \
-        step_on_batches
+    from train.loop import (
+        Dist,
+        TargetSignal,
+        TrainState,
+        _unwrap,
+        check_train_config,
+        step_on_batches,
+    )
 
     cfg = load_config(ROOT / "configs" / "smollm2-135m-independent.yaml", [
         *kind_overrides, "train.loss=0.5*fkl+0.5*ce", "train.target_features=online",
