@@ -31,6 +31,10 @@ from eval.speculative import pack_target
 from recipe import load_config
 
 
+PRODUCTS = {"torch": "torch F.linear", "packed": "packed oneDNN",
+            "auto": "the faster of torch and packed oneDNN, by shape and rows"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,13 +53,13 @@ def main() -> None:
     resolved = resolve_target(cfg.model)
     tokenizer = load_tokenizer(resolved, cfg.model.chat_template_kwargs)
     target = load_target(resolved, cfg.model.dtype, torch.device("cpu"))
-    packed = pack_target(target, cfg.eval)
+    products = pack_target(target, cfg.eval)
     conversations, _ = load_mtbench()
     text = " ".join(t for c in conversations for t in c.user_turns)
     prompt = render(tokenizer, [{"role": "user", "content": text}], True)[: args.context]
     ids = torch.tensor([prompt])
     print(f"target {resolved.name} ({cfg.model.dtype}, "
-          f"{'packed oneDNN' if packed else 'torch F.linear'} products: eval.target_linear), "
+          f"{PRODUCTS[products]} products: eval.target_linear), "
           f"context {len(prompt)} tokens, batch 1, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print("| k | tokens per forward | ms per forward | vs k=0 |")

@@ -27,7 +27,7 @@ from assets.chat import render
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from decoding.acceptance import measured_acceptance
 from decoding.engine import RequestStats, decode_prompts
-from decoding.packed import pack_linears, packs
+from decoding.packed import describe_choices, pack_linears, packs, tune_linears
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig
 from recipe.config import EVAL_METHODS
@@ -266,15 +266,22 @@ def _load(cfg: Config, device: torch.device):
     return resolved, tokenizer, target, draft
 
 
-def pack_target(target, ev: EvalConfig) -> bool:
-    """eval.target_linear=packed on an fp32 CPU target: its products on oneDNN's prepacked
-    weights (decoding/packed.py), once every draft that reads the target's weights is built."""
-    if ev.target_linear != "packed" or not packs(target):
-        return False
-    count = pack_linears(target)
-    print(f"[eval] the target's {count} linear layers run on oneDNN's prepacked fp32 weights "
-          "(eval.target_linear=packed)", flush=True)
-    return True
+def pack_target(target, ev: EvalConfig) -> str:
+    """eval.target_linear on an fp32 CPU target, once every draft that reads the target's
+    weights is built: 'packed' runs its products on oneDNN's prepacked weights, 'auto' on
+    whichever of those and torch's own is faster per weight shape and rows (decoding/packed.py)
+    -> what its products run on ('torch' where nothing changed)."""
+    if ev.target_linear == "torch" or not packs(target):
+        return "torch"
+    if ev.target_linear == "packed":
+        count = pack_linears(target)
+        print(f"[eval] the target's {count} linear layers run on oneDNN's prepacked fp32 weights "
+              "(eval.target_linear=packed)", flush=True)
+        return "packed"
+    choices = tune_linears(target)
+    print(f"[eval] the target's fp32 products, the faster of torch's and oneDNN's packed one on "
+          f"this CPU by rows (eval.target_linear=auto): {describe_choices(choices)}", flush=True)
+    return "auto"
 
 
 @dataclass
@@ -342,7 +349,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
         check_k_fits(other, ev)
         others[f"speculative:{draft_label(spec)}"] = other
     lookup = load_draft("prompt-lookup", target, tokenizer, target.dtype, device)
-    packed = pack_target(target, ev)
+    products = pack_target(target, ev)
     methods = _Methods(ev, cfg.run.seed, target, tokenizer, draft, others, lookup,
                        end_of_turn_ids(target, tokenizer), tokenizer.pad_token_id)
     if "hf_assisted" in ev.methods and not draft.kind.hf_assistant:
@@ -369,7 +376,7 @@ def evaluate(cfg: Config, device: torch.device) -> dict:
                 result.identical_to_target = sum(
                     a == b for a, b in zip(measured[name].outputs, reference))
     report = {"target": resolved.name, "dtype": cfg.model.dtype,
-              "target_linear": "packed" if packed else "torch",
+              "target_linear": products,
               "draft": draft.name if draft else None,
               "prompts": ev.prompts,
               "num_prompts": len(prompts), "skipped_over_context": skipped,

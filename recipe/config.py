@@ -402,11 +402,14 @@ class EvalConfig(DecodeSettings):
     2-core AVX2 CPU, so an adaptive k compiles each new k when first drafted; again for a new
     batch size or chunk length; cached by inductor on disk); trees, and an EAGLE-3 head's
     sampled chains, run eager."""
-    target_linear: Literal["packed", "torch"] = "packed"
+    target_linear: Literal["auto", "packed", "torch"] = "auto"
     """The fp32 target's matrix products on a CPU: 'packed' runs them on oneDNN's prepacked
-    weights (decoding/packed.py: a (k + 1)-token forward costs little more than a 1-token one),
-    'torch' on torch's own F.linear. Every method of a run decodes on the same target, so
-    speedups compare like with like. No effect on a GPU or in bf16/fp16."""
+    weights, 'torch' on torch's own F.linear (MKL), 'auto' on whichever of the two timed faster
+    on this CPU for each weight shape and number of rows (decoding/packed.py; timed at load, a
+    few seconds; the weights are held twice). Which is faster depends on the CPU's vendor and
+    the rows: packed wins everywhere on an AMD EPYC, torch's from 2 rows on an Intel Xeon. Every
+    method of a run decodes on the same target, so speedups compare like with like. No effect on
+    a GPU or in bf16/fp16."""
     prompts: str = "mtbench"
     """'mtbench' (first turns of the 80 questions), 'held_out' (this run's stage-1 held-out
     split), or a .jsonl/.json/.parquet file."""
