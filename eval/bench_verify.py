@@ -30,7 +30,6 @@ from decoding.tree import ancestor_mask, build_tree
 from eval.speculative import pack_target
 from recipe import load_config
 
-
 PRODUCTS = {"torch": "torch F.linear", "packed": "packed oneDNN",
             "auto": "the faster of torch and packed oneDNN, by shape and rows"}
 
