@@ -23,8 +23,8 @@ def test_the_server_survives_generated_requests_and_a_soak_losing_none(tiny_targ
         name = model["id"]
         fuzz(url, {}, name, 50, 6, 60)  # warm: first requests allocate the caches
         results = [
-            phase("fuzz", lambda: fuzz(url, {}, name, 600, 6, 60), url, {}, process.pid),
-            phase("soak", lambda: soak(url, {}, name, 8, 80, 6, 60), url, {}, process.pid)]
+            phase("fuzz", lambda: fuzz(url, {}, name, 400, 6, 60), url, {}, process.pid),
+            phase("soak", lambda: soak(url, {}, name, 8, 60, 6, 60), url, {}, process.pid)]
         assert process.poll() is None and httpx.get(url + "/health", timeout=10).is_success
     for r in results:
         assert failures(r) == [], r
