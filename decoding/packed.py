@@ -121,12 +121,15 @@ def faster_kernels(linear: nn.Linear, repeats: int = 3) -> list[bool]:
     return choice
 
 
-def tune_linears(model: nn.Module) -> dict[tuple[int, int], list[bool]]:
+def tune_linears(model: nn.Module, known: dict | None = None) -> dict[tuple[int, int], list[bool]]:
     """Replace every nn.Linear of a frozen fp32 CPU model by a TunedLinear, in place, timing each
-    distinct weight shape once -> {(out, in): packed_for}; {} where packs() says no."""
+    distinct weight shape once (unless known, {(out, in): packed_for}, already holds it: the
+    same CPU's earlier choice, so that runs repeat) -> {(out, in): packed_for}; {} where
+    packs() says no."""
     if not packs(model):
         return {}
-    choices: dict[tuple[int, int], list[bool]] = {}
+    choices: dict[tuple[int, int], list[bool]] = {
+        shape: list(c) for shape, c in (known or {}).items() if len(c) == TUNED_ROWS + 1}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

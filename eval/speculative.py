@@ -29,7 +29,7 @@ from decoding.acceptance import measured_acceptance
 from decoding.engine import RequestStats, decode_prompts
 from decoding.packed import describe_choices, pack_linears, packs, tune_linears
 from drafts import LoadedDraft, engine_draft, load_draft
-from recipe import Config, ConfigError, DecodeSettings, EvalConfig
+from recipe import Config, ConfigError, DecodeSettings, EvalConfig, cache_root
 from recipe.config import EVAL_METHODS
 from runfolder import load_eval_prompts, run_folder, run_name_of, speed_text
 
@@ -278,10 +278,33 @@ def pack_target(target, ev: EvalConfig) -> str:
         print(f"[eval] the target's {count} linear layers run on oneDNN's prepacked fp32 weights "
               "(eval.target_linear=packed)", flush=True)
         return "packed"
-    choices = tune_linears(target)
+    path = cache_root() / "kernels" / f"{_cpu_key()}.json"  # this CPU's earlier choices
+    known = {tuple(json.loads(k)): v for k, v in json.loads(path.read_text()).items()} \
+        if path.is_file() else {}
+    choices = tune_linears(target, known)
+    if set(choices) - set(known):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({json.dumps(list(k)): v for k, v in choices.items()}))
     print(f"[eval] the target's fp32 products, the faster of torch's and oneDNN's packed one on "
-          f"this CPU by rows (eval.target_linear=auto): {describe_choices(choices)}", flush=True)
+          f"this CPU by rows (eval.target_linear=auto; timed once per CPU, kept in {path}): "
+          f"{describe_choices(choices)}", flush=True)
     return "auto"
+
+
+def _cpu_key() -> str:
+    """This CPU's model name and torch's version, as a file name."""
+    import platform
+    import re
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{model}-torch-{torch.__version__}").strip("-")
 
 
 @dataclass

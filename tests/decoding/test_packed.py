@@ -92,3 +92,15 @@ def test_describe_choices_names_runs_of_rows():
     packed_for = [False, True, True] + [False] * (TUNED_ROWS - 2)
     assert describe_choices({(8, 4): packed_for}) == (
         f"8x4: packed at 1-2, torch at 3-{TUNED_ROWS}")
+
+
+def test_known_choices_are_taken_without_timing(monkeypatch):
+    import decoding.packed as packed
+    from decoding.packed import TUNED_ROWS, tune_linears
+
+    monkeypatch.setattr(packed, "faster_kernels", lambda linear: [False] * (TUNED_ROWS + 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    known = {(16, 8): [False] + [True] * TUNED_ROWS}  # the same CPU's earlier choice
+    choices = tune_linears(model, known)
+    assert choices[(16, 8)] == known[(16, 8)] and choices[(8, 16)] == [False] * (TUNED_ROWS + 1)
+    assert model[0].packed_for == known[(16, 8)]
