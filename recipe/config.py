@@ -405,8 +405,9 @@ class EvalConfig(DecodeSettings):
     target_linear: Literal["auto", "packed", "torch"] = "auto"
     """The fp32 target's matrix products on a CPU: 'packed' runs them on oneDNN's prepacked
     weights, 'torch' on torch's own F.linear (MKL), 'auto' on whichever of the two timed faster
-    on this CPU for each weight shape and number of rows (decoding/packed.py; timed at load, a
-    few seconds; the weights are held twice). Which is faster depends on the CPU's vendor and
+    on this CPU for each weight shape and number of rows (decoding/packed.py; timed at the
+    first load on a CPU, a few seconds, then kept in the cache so runs repeat; the weights are
+    held twice). Which is faster depends on the CPU's vendor and
     the rows: packed wins everywhere on an AMD EPYC, torch's from 2 rows on an Intel Xeon. Every
     method of a run decodes on the same target, so speedups compare like with like. No effect on
     a GPU or in bf16/fp16."""
