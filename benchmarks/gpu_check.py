@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -303,17 +302,10 @@ def hardware(device: torch.device) -> str:
         return (f"{torch.cuda.get_device_name(device)} (compute capability "
                 f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}, "
                 f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB)")
+    from decoding.packed import cpu_model
     from train.loop import cpu_has_native_bf16
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{model}, {torch.get_num_threads()} threads, "
+    return (f"{cpu_model()}, {torch.get_num_threads()} threads, "
             f"{'native bf16 (AVX512-BF16/AMX)' if cpu_has_native_bf16() else 'no native bf16'}")
 
 

@@ -51,6 +51,20 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo's, as lscpu shows it), else the platform's."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def packs(model: nn.Module) -> bool:
     """Whether pack_linears applies: fp32 weights on a CPU with oneDNN."""
     parameter = next(model.parameters(), None)

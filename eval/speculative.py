@@ -27,7 +27,7 @@ from assets.chat import render
 from assets.target import end_of_turn_ids, load_target, load_tokenizer, resolve_target
 from decoding.acceptance import measured_acceptance
 from decoding.engine import RequestStats, decode_prompts
-from decoding.packed import describe_choices, pack_linears, packs, tune_linears
+from decoding.packed import cpu_model, describe_choices, pack_linears, packs, tune_linears
 from drafts import LoadedDraft, engine_draft, load_draft
 from recipe import Config, ConfigError, DecodeSettings, EvalConfig, cache_root
 from recipe.config import EVAL_METHODS
@@ -293,18 +293,9 @@ def pack_target(target, ev: EvalConfig) -> str:
 
 def _cpu_key() -> str:
     """This CPU's model name and torch's version, as a file name."""
-    import platform
     import re
 
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{model}-torch-{torch.__version__}").strip("-")
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{cpu_model()}-torch-{torch.__version__}").strip("-")
 
 
 @dataclass
