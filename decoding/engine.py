@@ -166,12 +166,13 @@ def generate(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         before, active = clock.snapshot(), rows.active()
         with clock.drafting():
             proposal = step.propose(pending, k, rows.histories)
+        verified = k if proposal.k is None else proposal.k  # fewer: adaptive verification
         with clock.verifying():
-            outcome = step.verify(pending, k, proposal)
+            outcome = step.verify(pending, verified, proposal)
         with clock.drafting():
             step.accept(outcome)
-        k_used.append(k)
-        rows.record(outcome, k, draft)
+        k_used.append(verified)
+        rows.record(outcome, verified, draft)
         pending = outcome.next_token
         k = schedule.next_k(k, outcome.num_accepted.tolist(), active, rows.done,
                             clock.since(before))

@@ -39,6 +39,9 @@ class Proposal:
     tree: Tree | None = None
     dropped: list[int] | None = None
     """Per row: candidates a dynamic tree dropped as non-finite (counted as fallbacks)."""
+    k: int | None = None
+    """The draft tokens this step verifies when fewer than drafted (adaptive verification);
+    None: the k drafted."""
 
 
 @dataclass
@@ -72,7 +75,13 @@ class ChainStep:
     def propose(self, pending: torch.Tensor, k: int, histories: list[list[int]]) -> Proposal:
         if self.draft is None:
             return Proposal(pending.new_empty(len(pending), 0), None)
-        return Proposal(*self.draft.propose(k, self.drafting, histories, self.generator))
+        chain, probs = self.draft.propose(k, self.drafting, histories, self.generator)
+        if self.drafting.confidence_min > 0:  # adaptive verification (make_step checked it)
+            n = confident_prefix(self.draft.confidence, self.drafting.confidence_min)
+            if n < k:
+                self.draft.truncate(n)
+                return Proposal(chain[:, :n], probs[:, :n], k=n)
+        return Proposal(chain, probs)
 
     def verify(self, pending: torch.Tensor, k: int, proposal: Proposal) -> Outcome:
         chunk = torch.cat([pending[:, None], proposal.chain], dim=1)  # [B, k+1]
@@ -159,11 +168,28 @@ class DynamicTreeStep(TreeStep):
         return Proposal(pending.new_empty(len(pending), 0), None, tree, dropped)
 
 
+def confident_prefix(confidence: torch.Tensor, minimum: float) -> int:
+    """Adaptive verification: each row's drafted tokens up to the first whose estimated
+    acceptance is below minimum; confidence [B, k] -> the longest such run of any row (a batch
+    verifies one chunk length; the rows wanting fewer verify the extra tokens losslessly)."""
+    below = confidence < minimum  # [B, k]
+    first_below = torch.where(below.any(1), below.int().argmax(1), below.shape[1])  # [B]
+    return int(first_below.max()) if len(first_below) else 0
+
+
 def make_step(settings: DecodeSettings, target_lm: CachedLM, draft, probs,
               generator) -> ChainStep:
     """The step settings ask for, given what the draft can do (a kind without propose_tree
     grows the default tree shape instead of a dynamic one)."""
     drafting = drafting_settings(settings)
+    if settings.confidence_min > 0 and draft is not None:
+        if not hasattr(draft, "truncate"):
+            raise ValueError(f"confidence_min={settings.confidence_min}: the draft {draft.name!r} "
+                             "has no confidence head to verify by; set confidence_min=0, or "
+                             "draft with a DSpark drafter.")
+        if settings.tree or settings.ngram_branch:
+            raise ValueError("confidence_min verifies a prefix of a chain: set it to 0 for "
+                             "tree and hybrid steps.")
     if draft is None or not (settings.tree or settings.ngram_branch):
         return ChainStep(target_lm, draft, probs, drafting, generator)
     if settings.tree and settings.tree_nodes > 0 and draft.propose_tree is not None:

@@ -14,6 +14,7 @@ import torch
 
 from assets.published import target_facts
 from drafts.dflash import DFlash
+from drafts.dspark import DSpark
 from drafts.eagle3 import Eagle3
 from drafts.folders import read_config
 from drafts.independent import Independent
@@ -27,6 +28,7 @@ from recipe.config import DRAFT_WEIGHTS
 KINDS: list[DraftKind] = [
     Medusa(),
     Eagle3(),
+    DSpark(),
     DFlash(),
     PromptLookup(),
     Pard(),  # before Independent: a PARD folder is also a causal LM

@@ -6,6 +6,7 @@ from recipe.config import (
     ConfigError,
     DataConfig,
     DecodeSettings,
+    DSparkConfig,
     Eagle3Config,
     EvalConfig,
     GenerationConfig,
@@ -18,6 +19,21 @@ from recipe.config import (
     load_config,
 )
 
-__all__ = ["EMBEDDED_TARGET", "Config", "ConfigError", "DataConfig", "DecodeSettings",
-           "Eagle3Config", "EvalConfig", "GenerationConfig", "ModelConfig", "PublishConfig",
-           "RunConfig", "TrackingConfig", "TrainConfig", "cache_root", "load_config"]
+__all__ = [
+    "EMBEDDED_TARGET",
+    "Config",
+    "ConfigError",
+    "DSparkConfig",
+    "DataConfig",
+    "DecodeSettings",
+    "Eagle3Config",
+    "EvalConfig",
+    "GenerationConfig",
+    "ModelConfig",
+    "PublishConfig",
+    "RunConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "cache_root",
+    "load_config",
+]

@@ -259,6 +259,11 @@ class DecodeSettings:
     target's seconds measured over the last window_ms)."""
     window_ms: float = 100.0
     """With adaptive_policy 'window': how far back the measured steps count."""
+    confidence_min: float = 0.0
+    """Adaptive verification for drafts with a confidence head (DSpark): each chain step
+    verifies the drafted tokens up to the first whose estimated acceptance is below this (for a
+    batch, the longest such run of any row); 0: all k. llama.cpp's --spec-draft-p-min for
+    draft-dspark."""
     stop_strings: list[str] = field(default_factory=list)
     """A request also ends once its text contains one of these (kept in the output), besides
     the end-of-turn token."""
@@ -306,6 +311,9 @@ class DecodeSettings:
         if self.adaptive_policy not in ("step", "window") or self.window_ms <= 0:
             raise ConfigError(f"{at}adaptive_policy={self.adaptive_policy!r} must be 'step' or "
                               f"'window', with {at}window_ms > 0.")
+        if not 0.0 <= self.confidence_min < 1.0:
+            raise ConfigError(f"{at}confidence_min={self.confidence_min} must be in [0, 1) (0: "
+                              "verify every drafted token).")
         if not 1 <= self.tree_width <= 16:
             raise ConfigError(f"{at}tree_width={self.tree_width} must be in [1, 16]: each "
                               "draft position adds that many tree nodes to every verification.")
@@ -528,6 +536,18 @@ class Eagle3Config:
 
 
 @dataclass
+class DSparkConfig:
+    """The keys only a DSpark drafter reads (train.dspark.*; refused for other kinds)."""
+
+    markov_rank: int = 64
+    """r of the Markov head (markov_w1 [V, r], markov_w2 [r -> V]): the low-rank bias the previous
+    drafted token adds to the next position's logits."""
+    confidence_weight: float = 1.0
+    """Weight of the confidence head's binary cross-entropy (against greedy acceptance, per
+    scored draft position) beside the divergence."""
+
+
+@dataclass
 class TrainConfig:
     draft: str = "layer-truncated:6"
     """Draft initialisation: 'layer-truncated:<n>' (the target's embeddings, first n layers,
@@ -538,10 +558,13 @@ class TrainConfig:
     'eagle3' (an EAGLE-3 head: decoder layers (eagle3.layers, one by default) on the target's
     aux features, see below),
     'dflash' / 'dflash:<layers>' (a DFlash block drafter on the target's aux features, filling
-    block_size masks in one forward), or 'pard:<independent spec>' (an independent draft trained
+    block_size masks in one forward), 'dspark' / 'dspark:<layers>' (DFlash plus a Markov head and
+    a confidence head, see train.dspark), or 'pard:<independent spec>' (an independent draft trained
     for parallel drafting: block_size-1 mask tokens after the context, one forward)."""
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     """EAGLE-3 heads only: train.eagle3.ttt_steps, intermediate_size, layers."""
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
+    """DSpark drafters only: train.dspark.markov_rank, confidence_weight."""
     position_decay: float = 0.8
     """The loss of draft position j (1-based) weighs position_decay**(j-1): Medusa head j,
     EAGLE-3 training-time-test step j, DFlash and PARD block position j."""

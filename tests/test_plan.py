@@ -84,6 +84,7 @@ def test_a_target_the_plan_cannot_find_offline_is_refused():
 @pytest.mark.parametrize("recipe,overrides", [
     ("eagle3", ["train.draft_vocab_size=512", "train.aux_layers=[0,1,1]"]),
     ("dflash", ["train.aux_layers=[1]"]),
+    ("dflash", ["train.aux_layers=[1]", "train.draft=dspark:2"]),
     ("medusa", []), ("independent", ["train.draft=layer-truncated:1"]),
     ("pard", ["train.draft=pard:layer-truncated:1"]),
 ])

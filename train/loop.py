@@ -164,7 +164,8 @@ def weighted_loss(cfg: TrainConfig, model, runs, draft_logits: torch.Tensor,
     """Sum over the LossRows of their weights times the divergence of each draft row from the
     target's distribution (and label) at the loss position it is scored against, in the
     draft's vocabulary (model.restrict); the weights are each run's (train.position_weights
-    'decay') or D-PACE's per row ('dpace'). -> [] (a sum)."""
+    'decay') or D-PACE's per row ('dpace'). A trained module with an auxiliary_loss(draft rows,
+    target rows) adds that term (the DSpark confidence head's). -> [] (a sum)."""
     p_logits, labels = _unwrap(model).restrict(p_logits, labels)
     rows = split(draft_logits, runs)
     weights = (dpace_row_weights(runs, rows, labels, cfg.dpace_smoothing)
@@ -174,6 +175,9 @@ def weighted_loss(cfg: TrainConfig, model, runs, draft_logits: torch.Tensor,
         total = total + (weight * divergence(
             cfg.loss_terms, run.pick(p_logits), q, run.pick(labels), beta=cfg.jsd_beta,
             temperature=cfg.temperature, eta=cfg.lk_eta)).sum()
+    auxiliary = getattr(_unwrap(model), "auxiliary_loss", None)  # a head's own term (DSpark)
+    if auxiliary is not None:
+        total = total + auxiliary(rows, [run.pick(p_logits) for run in runs])
     return total
 
 

@@ -42,7 +42,9 @@ class DFlashDraft:
         self.context.append(self.head.contexts(aux, positions), valid)
         self.next_position = self.next_position + steps.sum(1)
 
-    def propose(self, k, sampling, history, generator=None):
+    def block_outputs(self, k: int) -> torch.Tensor:
+        """The block [pending, mask x k] through the drafter over its context -> the outputs
+        at the k masks [B, k, H] (mask j fills draft position j)."""
         head, batch = self.head, self.pending.shape[0]
         dtype = head.fc.weight.dtype
         block = torch.cat([self.embed(self.pending)[:, None].to(dtype),
@@ -50,9 +52,11 @@ class DFlashDraft:
         positions = (self.next_position[:, None] + torch.arange(k + 1, device=block.device))
         context = [(self.context.keys(i), self.context.values(i))
                    for i in range(len(head.layers))]
-        out = head.blocks(block, positions[:, None], context,
-                          self.context.mask[:, None])  # [B, 1, k+1, H]
-        logits = head.lm_head(out[:, 0, 1:])  # [B, k, V]: mask j fills draft position j
+        return head.blocks(block, positions[:, None], context,
+                           self.context.mask[:, None])[:, 0, 1:]
+
+    def propose(self, k, sampling, history, generator=None):
+        logits = self.head.lm_head(self.block_outputs(k))  # [B, k, V]
         q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         self.tokens = draw(q, sampling.temperature, generator)  # [B, k]
         self.scores = logits  # [B, k, V]

@@ -94,6 +94,9 @@ class Layer(nn.Module):
 class DFlashHead(nn.Module):
     """fc + hidden_norm + layers + norm + lm_head; block_size: the k it was trained to fill."""
 
+    architecture = ARCHITECTURE
+    """config.json's architectures[0], which vLLM's registry maps to the model it loads."""
+
     def __init__(self, config, aux_layers: list[int], mask_token_id: int, block_size: int):
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
@@ -114,7 +117,7 @@ class DFlashHead(nn.Module):
 
     @classmethod
     def from_target(cls, target, aux_layers: list[int], num_layers: int, mask_token_id: int,
-                    block_size: int, init: str = "target") -> DFlashHead:
+                    block_size: int, init: str = "target", **fields) -> DFlashHead:
         """A fresh draft; init 'random': the layers, fc and norms in Qwen3 init (norms at one),
         the lm_head the target's; init 'target' starts from the target's own weights: layer i
         is a copy of the target's layer a+i (a = the highest aux layer, or as high as fits), fc
@@ -123,11 +126,12 @@ class DFlashHead(nn.Module):
         keys/values start as the target's layer a computes them, with the attention patterns it
         learnt (a random start has to learn to attend to the recent context from scratch: on 2
         answers of 24 tokens it reached greedy alpha_1 0.06 where this start reached 0.25 in 40
-        steps). The q/k norms (Qwen3's, absent from Llama targets) start at one."""
+        steps). The q/k norms (Qwen3's, absent from Llama targets) start at one. fields: a
+        subclass's own constructor arguments."""
         config = draft_config(target.config, num_layers)
         config.vocab_size = target.get_output_embeddings().weight.shape[0]
         head = cls(config, check_aux_layers(aux_layers, target.config.num_hidden_layers),
-                   mask_token_id, block_size)
+                   mask_token_id, block_size, **fields)
         head.target_layers = target.config.num_hidden_layers
         with torch.no_grad():
             for module in head.modules():
@@ -222,7 +226,7 @@ class DFlashHead(nn.Module):
         for key in ("transformers_version", "dtype", "torch_dtype", "_name_or_path"):
             config.pop(key, None)
         config.update({
-            "architectures": [ARCHITECTURE], "model_type": "qwen3",
+            "architectures": [self.architecture], "model_type": "qwen3",
             "target_hidden_size": self.config.hidden_size, "block_size": self.block_size + 1,
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": [i - 1 for i in self.aux_layers]},
@@ -244,25 +248,31 @@ class DFlashHead(nn.Module):
         def build(raw: dict, state: dict) -> DFlashHead:
             from transformers import Qwen3Config
 
-            if not is_dflash_config(raw):
-                raise ConfigError(f"{folder} is not a DFlash drafter (architectures "
+            if cls.architecture not in (raw.get("architectures") or []):
+                raise ConfigError(f"{folder} is not a {cls.what} (architectures "
                                   f"{raw.get('architectures')}).")
             ours, dflash = raw.get("draftsmith", {}), raw.get("dflash_config") or {}
             if "mask_token_id" not in dflash:
                 raise ConfigError(f"{folder}: dflash_config has no mask_token_id.")
             aux = ours.get("aux_layers") or [i + 1 for i in dflash.get("target_layer_ids", [])]
             trained_k = ours.get("trained_k") or int(raw.get("block_size", 2)) - 1
-            config = Qwen3Config(**{k: v for k, v in raw.items() if k not in DFLASH_KEYS})
-            head = cls(config, aux, int(dflash["mask_token_id"]), trained_k)
+            config = Qwen3Config(**{k: v for k, v in raw.items() if k not in cls.config_keys})
+            head = cls(config, aux, int(dflash["mask_token_id"]), trained_k,
+                       **cls.fields_of(raw))
             head.target_layers = ours.get("target_num_hidden_layers")
             return head
 
-        return load_folder(folder, build, "a DFlash drafter", dtype, device,
-                           derived=("rotary.",))
+        return load_folder(folder, build, cls.what, dtype, device, derived=("rotary.",))
 
+    what = "a DFlash drafter"
+    config_keys = frozenset({"architectures", "model_type", "draftsmith", "dflash_config",
+                             "block_size", "target_hidden_size"})
+    """config.json's keys that are not the drafter's Qwen3Config."""
 
-DFLASH_KEYS = {"architectures", "model_type", "draftsmith", "dflash_config", "block_size",
-               "target_hidden_size"}
+    @classmethod
+    def fields_of(cls, config: dict) -> dict:
+        """A subclass's own constructor arguments, read from its config.json."""
+        return {}
 
 
 def is_dflash_config(config: dict) -> bool:
@@ -322,5 +332,10 @@ class DFlashForTraining(SameVocabulary, nn.Module):
         allowed = ((positions[None, None] <= plan.starts[..., None])
                    & attention_mask.bool()[:, None, :] & plan.valid[..., None])  # [B, S, T]
         out = head.blocks(block, block_positions, contexts, allowed)  # [B, S, k+1, H]
-        return torch.cat([head.lm_head(out[:, :, j][plan.scored[j - 1]])
-                          for j in range(1, k + 1)])  # [M, V]
+        return self.draft_logits(out, plan, input_ids)
+
+    def draft_logits(self, out: torch.Tensor, plan, input_ids: torch.Tensor) -> torch.Tensor:
+        """The blocks' outputs [B, S, k+1, H] -> the scored rows' logits [M, V], draft position
+        by draft position (the LossRows' order)."""
+        return torch.cat([self.lm.lm_head(out[:, :, j][plan.scored[j - 1]])
+                          for j in range(1, self.lm.block_size + 1)])

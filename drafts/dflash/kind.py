@@ -40,12 +40,12 @@ class DFlashModel:
 
 
 def parse_layers(spec: str) -> int:
-    """'dflash' -> 1 layer; 'dflash:<n>' -> n."""
-    _, _, arg = spec.partition(":")
+    """'dflash' -> 1 layer; 'dflash:<n>' -> n (and so for 'dspark')."""
+    name, _, arg = spec.partition(":")
     if not arg:
         return 1
     if not arg.isdigit() or int(arg) < 1:
-        raise ConfigError(f"train.draft={spec!r}: write 'dflash' or 'dflash:<layers>' with a "
+        raise ConfigError(f"train.draft={spec!r}: write '{name}' or '{name}:<layers>' with a "
                           "positive layer count.")
     return int(arg)
 
@@ -54,10 +54,15 @@ class DFlash:
     """Decoder layers on the target's context that fill k mask tokens in one forward."""
 
     name, description = "dflash", "a DFlash block drafter"
+    head_class, engine_class = DFlashHead, DFlashDraft
     train_keys = ("position_decay", "position_weights", "dpace_smoothing", "aux_layers",
                   "feature_noise", "block_size", "block_starts", "mask_token_id", "head_init")
     target_layers, target_architecture = True, False
     one_layer_draft = 'dflash:1'
+    label = "DFlash"
+    unquantised = ("fc",)
+    """Linear layers kept in the head's dtype when its weights are quantised: fc maps the
+    target's features once per verified token, and its dtype is the head's working dtype."""
     formats = ("vllm",)
     hf_assistant, quantised_weights = False, True
     compiled_steps = False
@@ -108,15 +113,20 @@ class DFlash:
         vocab = target.get_output_embeddings().weight.shape[0]
         aux = cfg.aux_layers or default_aux_layers(layers)
         mask_id = resolve_mask_token(cfg.mask_token_id, tokenizer, vocab, examples)
-        head = DFlashHead.from_target(target, aux, parse_layers(cfg.draft), mask_id,
-                                      cfg.block_size, cfg.head_init or "target")
-        log(f"[train] DFlash drafter: {head.config.num_hidden_layers} layer(s) "
+        head = self.head_class.from_target(target, aux, parse_layers(cfg.draft), mask_id,
+                                           cfg.block_size, cfg.head_init or "target",
+                                           **self.head_fields(cfg))
+        log(f"[train] {self.description}: {head.config.num_hidden_layers} layer(s) "
             f"({cfg.head_init or 'target'} start) on aux layers "
             f"{aux} of {layers}, blocks of k = {cfg.block_size} masks (mask token {mask_id} "
             f"{tokenizer.convert_ids_to_tokens(mask_id)!r}), "
             f"{'every start' if cfg.block_starts == 0 else f'{cfg.block_starts} starts'} per "
             "conversation")
         return head.float().requires_grad_(True).train()
+
+    def head_fields(self, cfg: TrainConfig) -> dict:
+        """A subclass's own arguments of its head's constructor, from the train config."""
+        return {}
 
     def freeze(self, draft: DFlashHead, cfg: TrainConfig) -> None:
         if cfg.freeze_embeddings is not False:  # default: the target's lm_head, kept
@@ -126,26 +136,24 @@ class DFlash:
         return DFlashForTraining(draft, cfg.position_decay, cfg.block_starts)
 
     def load(self, spec, target, tokenizer, dtype, device) -> LoadedDraft:
-        head = DFlashHead.from_pretrained(spec, dtype, device)
+        head = self.head_class.from_pretrained(spec, dtype, device)
         check_fits_target(head, target)
         head.read_mask_embedding(target.get_input_embeddings())
-        return LoadedDraft(f"{spec} (DFlash, {head.config.num_hidden_layers} layer(s), "
+        return LoadedDraft(f"{spec} ({self.label}, {head.config.num_hidden_layers} layer(s), "
                            f"trained for k <= {head.block_size})", self,
                            DFlashModel(head, target.get_input_embeddings()),
                            max_k=head.block_size, max_k_unit="trained block positions")
 
     def quantise(self, loaded: LoadedDraft, weights: str) -> LoadedDraft:
-        # fc stays: it maps the target's features once per verified token, and its dtype is
-        # the head's working dtype
         return replace(loaded, model=DFlashModel(quantised_copy(loaded.model.head, weights,
-                                                                skip=("fc",)),
+                                                                skip=self.unquantised),
                                                  loaded.model.embedding))
 
     def engine_draft(self, loaded: LoadedDraft, name: str) -> DFlashDraft:
-        return DFlashDraft(loaded.model.head, loaded.model.embedding, name)
+        return self.engine_class(loaded.model.head, loaded.model.embedding, name)
 
     def check_export(self, draft_folder, k, target_shape) -> None:
-        head = DFlashHead.from_pretrained(draft_folder)
+        head = self.head_class.from_pretrained(draft_folder)
         if (head.config.hidden_size, head.vocab_size) != target_shape:
             raise ConfigError(f"the DFlash drafter reads hidden size {head.config.hidden_size} "
                               f"over {head.vocab_size} tokens; the target has {target_shape[0]} "
@@ -160,7 +168,7 @@ class DFlash:
         pass  # the trained folder is in vLLM's layout already
 
     def export_name(self, fmt: str) -> str:
-        return "dflash"
+        return self.name
 
     def check_exported(self, folder) -> None:
         """Refuse a config vLLM would misread: a mask token outside the vocabulary, or target

@@ -44,6 +44,7 @@ METHODS = {
     "medusa": ("medusa", {}),
     "eagle3": ("eagle3", {}),
     "dflash": ("dflash", {}),  # the method implies parallel drafting
+    "dspark": ("dspark", {}),  # add "enable_adaptive_verification": true to verify by confidence
     "independent": ("draft_model", {}),
     "pard": ("draft_model", {"parallel_drafting": True}),
 }
@@ -68,6 +69,16 @@ EAGLE3_TARGETS = (
 """The text-generation architectures of vLLM 0.32's registry whose model class implements
 SupportsEagle3 (tests/serving/test_vllm_architectures.py recomputes it from the installed vLLM).
 Gemma 2/3, Mixtral, Qwen2-MoE, GLM-4 and Cohere are among those that do not."""
+
+V2_RUNNER_ONLY = {
+    "dspark": ("vLLM 0.32 runs DSpark drafters in its V2 model runner alone (vllm/config/vllm.py "
+               "lists \"dspark speculative decoding\" among the V1 runner's unsupported "
+               "features), and the V2 runner needs Triton, which vLLM for CPU lacks: it falls "
+               "back to V1 and refuses the method. On a GPU vLLM serves the export as "
+               "written; on a CPU serve it with llama.cpp (--spec-type draft-dspark) or "
+               "measure it in draftsmith's engine (eval.speculative)."),
+}
+"""Draft kinds vLLM 0.32 serves on a GPU only -> why, and what serves them on a CPU."""
 
 MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 """Draft model types vLLM 0.32 turns into its DeepSeek MTP module, whatever the method."""
@@ -407,6 +418,8 @@ class VLLM:
                     "own architecture is loaded as MTP layers it does not have (\"MTP "
                     "speculative decoding layer ... weights missing from checkpoint\"). Train "
                     "a Medusa head, or serve the target's own MTP layers (method 'mtp').")
+        if kind.name in V2_RUNNER_ONLY and not gpu_available():
+            return V2_RUNNER_ONLY[kind.name]
         if (kind.target_layers and target_config.get("kv_lora_rank")
                 and not gpu_available()):
             return (f"vLLM for CPU cannot serve {kind.description} beside an MLA target "

@@ -523,10 +523,10 @@ def test_a_train_key_only_other_kinds_read_is_refused_by_the_kind():
     from recipe import TrainConfig
 
     for draft, key, value, readers in [
-            ("medusa:3", "feature_noise", 0.2, "['eagle3', 'dflash']"),
+            ("medusa:3", "feature_noise", 0.2, "['eagle3', 'dspark', 'dflash']"),
             ("dflash:2", "eagle3", Eagle3Config(ttt_steps=2), "['eagle3']"),
-            ("layer-truncated:2", "block_size", 3, "['dflash', 'pard']"),
-            ("eagle3", "mask_token_id", 5, "['dflash', 'pard']")]:
+            ("layer-truncated:2", "block_size", 3, "['dspark', 'dflash', 'pard']"),
+            ("eagle3", "mask_token_id", 5, "['dspark', 'dflash', 'pard']")]:
         with pytest.raises(ConfigError, match=rf"train.{key}=.* read by {re.escape(readers)}"):
             check_train_config(TrainConfig(draft=draft, **{key: value}))
     check_train_config(TrainConfig(draft="eagle3", feature_noise=0.2, head_init="target",

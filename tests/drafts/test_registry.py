@@ -19,6 +19,7 @@ RECIPES = sorted(Path("configs").glob("*.yaml"))
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "independent"), ("medusa:4x1", "medusa"),
     ("medusa:four", "medusa"), ("eagle3", "eagle3"), ("eagle", "eagle3"),
     ("prompt-lookup", "prompt-lookup"), ("dflash", "dflash"), ("dflash:2", "dflash"),
+    ("dspark", "dspark"), ("dspark:2", "dspark"),
     ("pard:layer-truncated:6", "pard"), ("pard:/some/trained/draft", "pard"),
 ])
 def test_each_spec_goes_to_its_kind(spec, kind):
@@ -30,6 +31,7 @@ def test_each_spec_goes_to_its_kind(spec, kind):
     ({"model_type": "llama", "architectures": ["LlamaForCausalLMEagle3"]}, "eagle3"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "independent"),
     ({"model_type": "qwen3", "architectures": ["DFlashDraftModel"]}, "dflash"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3DSparkModel"]}, "dspark"),
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "pard_token": 16}, "pard"),
 ])
 def test_a_saved_folder_goes_to_its_kind_by_its_config(tmp_path, config, kind):

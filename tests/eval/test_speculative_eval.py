@@ -81,7 +81,7 @@ def test_drafts_on_int4_weights_are_measured_lossless(peaked_target, tmp_path):
     assert report["draft"].endswith("on int4 weights")
     assert report["methods"]["speculative"]["identical_to_target"] == 3
     assert report["methods"]["speculative:layer-truncated:1"]["identical_to_target"] == 3
-    with pytest.raises(ConfigError, match="prompt-lookup draft, and only eagle3, dflash, pard, "
+    with pytest.raises(ConfigError, match="prompt-lookup draft, and only eagle3, dspark, dflash, pard, "
                                           "independent drafts run on quantised weights: set "
                                           "eval.draft_weights=model"):
         evaluate(_cfg(peaked_target, tmp_path, "eval.draft=prompt-lookup",

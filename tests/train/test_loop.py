@@ -410,7 +410,9 @@ def test_eagle3_bad_input_is_refused(tiny_run, override, message):
     ("train.draft=dflash", "train.aux_layers=[1]", "train.block_size=3", "train.loss=fkl"),
     ("train.draft=pard:layer-truncated:1", "train.block_size=3", "train.block_starts=4",
      "train.loss=fkl"),
-], ids=["dflash", "pard"])
+    ("train.draft=dspark", "train.aux_layers=[1]", "train.block_size=3", "train.loss=fkl",
+     "train.dspark.markov_rank=16"),
+], ids=["dflash", "pard", "dspark"])
 def test_a_parallel_drafter_learns_the_target(tiny_run, kind):
     cfg = tiny_run(*kind)
     summary = _train(cfg)
@@ -422,8 +424,9 @@ def test_a_parallel_drafter_learns_the_target(tiny_run, kind):
     # every block start scored (dflash) gives a walk; 4 random starts per conversation (pard) not
     assert (summary.after["walk_tau"] is None) == ("train.block_starts=4" in kind)
     saved = json.loads((summary.draft_dir / "config.json").read_text())
-    if "dflash" in kind[0]:
-        assert saved["architectures"] == ["DFlashDraftModel"]
+    if "dflash" in kind[0] or "dspark" in kind[0]:
+        assert saved["architectures"] == [
+            "DFlashDraftModel" if "dflash" in kind[0] else "Qwen3DSparkModel"]
         assert saved["dflash_config"] == {"mask_token_id": 16, "target_layer_ids": [0]}
     else:
         assert saved["pard_token"] == 16 and saved["pard_trained_k"] == 3

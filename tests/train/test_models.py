@@ -151,7 +151,7 @@ def test_acceptance_targeted_losses_and_dpace_weights_train_a_draft(tiny_run, fi
 
 def test_dpace_is_refused_for_a_draft_without_draft_positions():
     with pytest.raises(ConfigError, match=r"train.position_weights='dpace' is read by "
-                                          r"\['medusa', 'eagle3', 'dflash', 'pard'\]"):
+                                          r"\['medusa', 'eagle3', 'dspark', 'dflash', 'pard'\]"):
         check_train_config(TrainConfig(draft="layer-truncated:2", position_weights="dpace"))
     for bad, message in [({"lk_eta": -1.0}, "lk_eta"), ({"dpace_smoothing": 0.0},
                                                        "dpace_smoothing")]:
