@@ -50,10 +50,13 @@ from serving.engines.llamacpp_build import (
     ensure_llamacpp,
 )
 
-SPEC_TYPES = {"independent": "draft-simple", "eagle3": "draft-eagle3"}
+SPEC_TYPES = {"independent": "draft-simple", "eagle3": "draft-eagle3", "dspark": "draft-dspark"}
 UNREAD_EAGLE3_FIELDS = ("fc_norm", "norm_output")
 """EAGLE 3.1's config fields that llama.cpp's eagle3 graph and converter do not read."""
 """Draft kind -> llama.cpp's --spec-type."""
+
+READS_TARGET = ("draft-eagle3", "draft-dspark")
+"""Spec types whose conversion reads the target's folder (its vocabulary)."""
 
 NOT_SERVED = {
     "dflash": f"llama.cpp {VERSION} has draft-dflash for Qwen lineages only",
@@ -160,7 +163,7 @@ class LlamaCppEngine:
             return None
         reason = NOT_SERVED.get(kind.name, f"llama.cpp {VERSION} does not serve "
                                            f"{kind.description}")
-        return f"{reason} (it serves independent drafts and EAGLE-3 heads)."
+        return f"{reason} (it serves independent drafts, EAGLE-3 heads and DSpark drafters)."
 
     def export(self, cfg: Config, draft_folder: Path, kind: DraftKind, k: int, fmt: str = "gguf",
                out: Path | None = None, log=print) -> Export:
@@ -196,7 +199,7 @@ class LlamaCppEngine:
             kind.write_export(draft_folder, hf, k, "vllm", target_hub_id(cfg) or resolved.path)
             target = target_gguf(cfg, outtype, log)
             draft = convert_to_gguf(hf, tmp / f"draft-{outtype}.gguf", outtype,
-                                    Path(resolved.path) if spec_type == "draft-eagle3" else None,
+                                    Path(resolved.path) if spec_type in READS_TARGET else None,
                                     log=log)
             check_same_vocabulary(target, draft)
             shutil.rmtree(hf)

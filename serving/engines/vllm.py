@@ -70,7 +70,7 @@ EAGLE3_TARGETS = (
 SupportsEagle3 (tests/serving/test_vllm_architectures.py recomputes it from the installed vLLM).
 Gemma 2/3, Mixtral, Qwen2-MoE, GLM-4 and Cohere are among those that do not."""
 
-V2_RUNNER_ONLY = {
+V2_RUNNER_ONLY = {  # checked when vLLM runs an export (VLLM.run), not at training
     "dspark": ("vLLM 0.32 runs DSpark drafters in its V2 model runner alone (vllm/config/vllm.py "
                "lists \"dspark speculative decoding\" among the V1 runner's unsupported "
                "features), and the V2 runner needs Triton, which vLLM for CPU lacks: it falls "
@@ -78,7 +78,7 @@ V2_RUNNER_ONLY = {
                "written; on a CPU serve it with llama.cpp (--spec-type draft-dspark) or "
                "measure it in draftsmith's engine (eval.speculative)."),
 }
-"""Draft kinds vLLM 0.32 serves on a GPU only -> why, and what serves them on a CPU."""
+"""Speculative methods vLLM 0.32 serves on a GPU only -> why, and what serves them on a CPU."""
 
 MTP_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 """Draft model types vLLM 0.32 turns into its DeepSeek MTP module, whatever the method."""
@@ -418,8 +418,6 @@ class VLLM:
                     "own architecture is loaded as MTP layers it does not have (\"MTP "
                     "speculative decoding layer ... weights missing from checkpoint\"). Train "
                     "a Medusa head, or serve the target's own MTP layers (method 'mtp').")
-        if kind.name in V2_RUNNER_ONLY and not gpu_available():
-            return V2_RUNNER_ONLY[kind.name]
         if (kind.target_layers and target_config.get("kv_lora_rank")
                 and not gpu_available()):
             return (f"vLLM for CPU cannot serve {kind.description} beside an MLA target "
@@ -478,6 +476,8 @@ class VLLM:
 
     def run(self, cfg: Config, exported: Exported, target_path: str, prompts: list[list[int]],
             settings: DecodeSettings, eos: set[int], with_draft: bool) -> EngineRun:
+        if with_draft and exported.method in V2_RUNNER_ONLY and not gpu_available():
+            raise ConfigError(V2_RUNNER_ONLY[exported.method])
         request = {"target": target_path, "dtype": "float32", "prompts": prompts,
                    "max_new_tokens": settings.max_new_tokens, "stop_token_ids": sorted(eos),
                    "enforce_eager": self.enforce_eager,

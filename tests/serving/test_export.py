@@ -272,3 +272,31 @@ def test_an_eagle31_head_round_trips_and_exports_the_fields_vllm_reads(tiny_targ
         with pytest.raises(ConfigError, match=r"EAGLE 3.1 head \(fc_norm, norm_output\), and "
                                               r"llama.cpp .*reads norm_before_fc alone"):
             export_draft(_cfg(tiny_target, tmp_path), k=2, fmt="gguf")
+
+
+def test_a_dspark_drafter_exports_in_vllms_layout_and_vllm_on_a_cpu_refuses_to_run_it(
+        tiny_target, tmp_path):
+    """The folder and the method vLLM 0.32 serves on a GPU (every config field one the pinned
+    vLLM reads, which the export checks); on a CPU its V1 runner cannot run the method, which
+    a validation run says before starting vLLM."""
+    from transformers import AutoModelForCausalLM
+
+    from drafts.dspark import DSparkHead
+    from serving.engines.base import Exported
+    from serving.engines.vllm import VLLM, gpu_available
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    head = DSparkHead.from_target(target, [1], 1, mask_token_id=16, block_size=3, markov_rank=8)
+    head.save_pretrained(tmp_path / "run" / "train" / "draft")
+    cfg = _cfg(tiny_target, tmp_path)
+    result = export_draft(cfg, k=3)
+    assert result.folder == tmp_path / "run" / "export" / "dspark" and result.method == "dspark"
+    config = json.loads((result.folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_rank"] == 8
+    assert '"method": "dspark"' in result.command
+    with pytest.raises(ConfigError, match="trained to fill blocks of 3 masks"):
+        export_draft(cfg, k=4)
+    if not gpu_available():
+        exported = Exported(result.folder, "dspark", 3, {})
+        with pytest.raises(ConfigError, match="V2 model runner alone"):
+            VLLM().run(cfg, exported, str(tiny_target), [[1, 2]], cfg.eval, {0}, True)

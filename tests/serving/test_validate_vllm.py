@@ -433,6 +433,42 @@ def test_llamacpp_serves_the_eagle3_head_as_our_engine_does(eagle_run, llamacpp)
     _texts_kept(cfg)
 
 
+def test_llamacpp_serves_a_dspark_drafter_as_our_engine_does(tmp_path_factory,
+                                                            smollm2_tokenizer, llamacpp):
+    """A DSpark drafter (2 layers, Markov rank 32) fitted to the target's own answers, converted
+    by llama.cpp's converter and served with --spec-type draft-dspark: llama.cpp's in-graph
+    Markov chain drafts what ours draws (greedy), so acceptance and texts agree."""
+    from drafts.dspark import DSparkForTraining, DSparkHead
+    from drafts.eagle3 import default_aux_layers
+    from recipe import DSparkConfig, TrainConfig
+    from train.features import target_hidden
+    from train.loop import target_logits
+
+    out = tmp_path_factory.mktemp("validate-dspark") / "run"
+    recipe = recipe_path("smollm2-135m-dflash")
+    _, target, batch = _own_answers(recipe, out, smollm2_tokenizer)
+    aux = default_aux_layers(target.config.num_hidden_layers)
+    features = target_hidden(target, batch, aux)
+    p_logits = target_logits(target, batch, features)
+    torch.manual_seed(0)
+    head = DSparkHead.from_target(target, aux, 2, mask_token_id=16, block_size=3,
+                                  markov_rank=32)
+    head.lm_head.requires_grad_(False)
+    _fit(DSparkForTraining(head, 0.8, 0, confidence_weight=1.0),
+         TrainConfig(draft="dspark:2", loss="fkl", block_size=3, eval_k=3,
+                     dspark=DSparkConfig(markov_rank=32)),
+         batch, features, p_logits, lr=2e-3, steps=60)
+    head.eval().save_pretrained(out / "train" / "draft")
+    cfg = _llama_cfg(recipe, load_config(recipe, [f"run.output_dir={out}"]))
+    exported = export_draft(cfg, 3, fmt="gguf")
+    assert exported.method == "draft-dspark"
+    result = validate(cfg, LlamaCppEngine())
+    # accepted past the first position: the Markov chain's second and third draws were compared
+    assert result.tau_ours > 1.2 and result.alpha_ours[1] > 0 and result.drafts_engine > 0, result
+    assert result.ok, (result.tau_ours, result.tau_engine, result.alpha_ours, result.alpha_engine)
+    _texts_kept(cfg)
+
+
 def test_a_head_llamacpp_cannot_serve_is_refused_by_name(medusa_run):
     from recipe import ConfigError
     from serving.engines.llamacpp_build import convert_to_gguf
