@@ -7,8 +7,9 @@
 The target is a GGUF file (--target-gguf; for model.target embedded:Qwen2.5-Coder-0.5B-Instruct
 its own Q4_K_M file by default). Each arm starts `llama-server` (one slot, `-t` = CPU cores) and
 sends the config's eval prompts one by one, greedy, eval.max_new_tokens each; an arm is
-`plain` (no draft) or `<spec-type>[+<spec-type>...]:<k>` (llama.cpp's --spec-type, with k
-draft tokens a step, fixed: no confidence cut-off). Speed is llama.cpp's `timings.predicted_ms`
+`plain` (no draft) or `<spec-type>[+<spec-type>...]:<k>[@<p_min>]` (llama.cpp's --spec-type, with
+k draft tokens a step, fixed unless @p_min names --spec-draft-p-min: for draft-dspark, a step's
+drafted tokens up to the first the confidence head puts below p_min, adaptive verification). Speed is llama.cpp's `timings.predicted_ms`
 of each request (decoding after the prompt, as llama-server reports it); plain runs first and
 last, and each prompt's speedup is its tokens/s over the mean of its two plain runs. Printed:
 tokens/s, speedup (median and quartiles over prompts, pooled with a bootstrap 95 % interval
@@ -45,20 +46,30 @@ class Arm:
     name: str
     spec_types: list[str] = field(default_factory=list)
     k: int = 0
+    p_min: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Arm:
         if text == "plain":
             return cls(text)
-        types, _, k = text.partition(":")
-        if not k.isdigit() or int(k) < 1:
-            raise ConfigError(f"--arms {text!r}: write plain or <spec-type>[+<spec-type>]:<k>, "
-                              "e.g. draft-eagle3:2 or draft-eagle3+ngram-simple:3.")
-        return cls(text, types.split("+"), int(k))
+        types, _, rest = text.partition(":")
+        k, _, p_min = rest.partition("@")
+        if not k.isdigit() or int(k) < 1 or not _probability(p_min or "0"):
+            raise ConfigError(f"--arms {text!r}: write plain or <spec-type>[+<spec-type>]:<k>"
+                              "[@<p_min in [0, 1)>], e.g. draft-eagle3:2, "
+                              "draft-eagle3+ngram-simple:3 or draft-dspark:4@0.5.")
+        return cls(text, types.split("+"), int(k), float(p_min or 0))
 
     @property
     def needs_draft(self) -> bool:
         return any(t in DRAFT_TYPES for t in self.spec_types)
+
+
+def _probability(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) < 1.0
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -88,7 +99,7 @@ def pooled_speedup_interval(arm_ms: list[float], arm_n: list[int], plain_ms: lis
 def run_arm(llama, target: Path, draft: Path | None, arm: Arm, prompts: list[list[int]],
             max_new_tokens: int) -> ArmRun:
     server = LlamaServer(llama, target, draft if arm.needs_draft else None,
-                         ",".join(arm.spec_types) or None, arm.k)
+                         ",".join(arm.spec_types) or None, arm.k, p_min=arm.p_min)
     tokens, ms = [], []
     with server:
         server.complete(prompts[0], 8)  # warm-up, not counted

@@ -333,18 +333,21 @@ class LlamaServer:
 
     def __init__(self, llama: LlamaCpp, target: Path, draft: Path | None = None,
                  spec_type: str | None = None, k: int = 0, context: int = 2048,
-                 threads: int | None = None, draft_sampling: str = "greedy"):
+                 threads: int | None = None, draft_sampling: str = "greedy",
+                 p_min: float = 0.0):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [str(llama.server), "-m", str(target), "--host", "127.0.0.1",
                         "--port", str(self.port), "-c", str(context), "-np", "1", "--metrics",
                         "-t", str(threads or os.cpu_count() or 1), "--no-webui"]
         if spec_type is not None:  # a draft model (-md) or llama.cpp's own n-gram drafting
-            # a fixed k: never stop a draft early on its confidence, never discard a short one
+            # a fixed k unless p_min > 0 (a draft stopped at its first token below p_min: the
+            # confidence head's estimate for draft-dspark); a short draft never discarded
             self.command += [*(["-md", str(draft)] if draft is not None else []),
                              "--spec-type", spec_type,
                              "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
-                             "--spec-draft-p-min", "0", "--spec-draft-sampling", draft_sampling]
+                             "--spec-draft-p-min", str(p_min),
+                             "--spec-draft-sampling", draft_sampling]
 
     def __enter__(self) -> Self:
         import tempfile

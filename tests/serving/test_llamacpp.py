@@ -205,3 +205,24 @@ def test_the_llamacpp_command_carries_the_chat_mode(tmp_path):
     assert command.endswith("""--chat-template-kwargs '{"enable_thinking": false}'""")
     assert "--chat-template-kwargs" not in server_command(tmp_path / "t.gguf",
                                                           tmp_path / "d.gguf", "draft-simple", 3, {})
+
+
+def test_a_benchmark_arm_names_its_adaptive_verification_and_the_server_is_told_it(tmp_path):
+    """draft-dspark:4@0.5: four drafted tokens a step, verified up to the first whose confidence
+    is below 0.5 (llama-server's --spec-draft-p-min); without @, a fixed k (p-min 0)."""
+    from types import SimpleNamespace
+
+    from benchmarks.llamacpp_speed import Arm
+    from serving.engines.llamacpp import LlamaServer
+
+    adaptive, fixed = Arm.parse("draft-dspark:4@0.5"), Arm.parse("draft-eagle3+ngram-simple:3")
+    assert (adaptive.spec_types, adaptive.k, adaptive.p_min) == (["draft-dspark"], 4, 0.5)
+    assert (fixed.spec_types, fixed.k, fixed.p_min) == (["draft-eagle3", "ngram-simple"], 3, 0.0)
+    for bad in ("draft-dspark:4@1.5", "draft-dspark:4@x", "draft-dspark:0"):
+        with pytest.raises(ConfigError, match="write plain or"):
+            Arm.parse(bad)
+    llama = SimpleNamespace(server=tmp_path / "llama-server")
+    for arm, p_min in ((adaptive, "0.5"), (fixed, "0.0")):
+        command = LlamaServer(llama, tmp_path / "t.gguf", tmp_path / "d.gguf",
+                              ",".join(arm.spec_types), arm.k, p_min=arm.p_min).command
+        assert command[command.index("--spec-draft-p-min") + 1] == p_min
