@@ -80,6 +80,9 @@ class Draft(Protocol):
     """For dynamic trees (settings.tree_nodes): propose_tree(k, width, generator) -> candidates
     (tokens, parents, scores) [B, M] for decoding.tree.dynamic_tree, the draft's own cache
     left as before (accept then receives the accepted path). None: the default tree shape."""
+    # Adaptive verification (settings.confidence_min > 0) asks two more of a draft (DSpark's):
+    # confidence [B, k], each proposed token's estimated acceptance, and truncate(n), after
+    # which the step verifies (and accept counts) the first n tokens of the proposal alone.
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
