@@ -236,6 +236,10 @@ def method_result(name: str, m: Measured, tokenizer, settings: DecodeSettings,
         result.k_policy = (f"adaptive ({rule}) in [1, {settings.k_max}]; mean k "
                            f"{sum(k_used) / max(len(k_used), 1):.2f}"
                            if settings.adaptive_k else f"fixed k={settings.k}")
+        if settings.confidence_min > 0:  # k_used: the tokens each step verified
+            result.k_policy += (f"; verified up to the first confidence below "
+                                f"{settings.confidence_min:g}: mean "
+                                f"{sum(k_used) / max(len(k_used), 1):.2f} tokens a step")
     return result
 
 

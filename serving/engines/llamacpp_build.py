@@ -287,7 +287,8 @@ def _built(root: Path, stamp: Path) -> LlamaCpp:
 def convert_to_gguf(hf_folder: Path, out: Path, outtype: str = "f32",
                     target_model_dir: Path | None = None, log=print) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on an HF folder -> out (written atomically).
-    target_model_dir: the target's HF folder, for EAGLE-3 heads (they borrow its vocabulary)."""
+    target_model_dir: the target's HF folder, for EAGLE-3 heads and DSpark drafters (they borrow
+    its vocabulary)."""
     source = ensure_source(log)
     tmp = out.with_name(out.name + ".tmp")
     command = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(hf_folder),
