@@ -334,3 +334,14 @@ def logged_chains(draft) -> list:
 
     draft.propose = logged
     return chains
+
+
+def target_hidden_of(target, ids, layers):
+    """The target's hidden states of ids as the draft kinds read them (drafts.kind.TargetHidden:
+    last, the aux layers concatenated, the input embeddings)."""
+    from drafts.kind import TargetHidden, aux_features
+
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    return TargetHidden(out.hidden_states[-1], aux_features(out.hidden_states, layers),
+                        target.get_input_embeddings()(ids))

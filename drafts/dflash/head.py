@@ -275,10 +275,6 @@ class DFlashHead(nn.Module):
         return {}
 
 
-def is_dflash_config(config: dict) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
-
-
 def check_fits_target(head: DFlashHead, target) -> None:
     """Refuse a drafter made for another hidden size, vocabulary or layer count."""
     weight = target.get_output_embeddings().weight  # [V, H]

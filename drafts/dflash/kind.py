@@ -15,7 +15,6 @@ from drafts.dflash.head import (
     DFlashHead,
     check_aux_layers,
     check_fits_target,
-    is_dflash_config,
 )
 from drafts.eagle3.head import default_aux_layers
 from drafts.folders import CONFIG_NAME
@@ -68,10 +67,10 @@ class DFlash:
     compiled_steps = False
 
     def claims(self, spec: str) -> bool:
-        return spec == "dflash" or spec.startswith("dflash:")
+        return spec == self.name or spec.startswith(f"{self.name}:")
 
     def reads_folder(self, config: dict) -> bool:
-        return is_dflash_config(config)
+        return self.head_class.architecture in (config.get("architectures") or [])
 
     def check_train(self, cfg: TrainConfig) -> None:
         parse_layers(cfg.draft)

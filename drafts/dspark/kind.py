@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from drafts.dflash.kind import DFlash
 from drafts.dspark.engine import DSparkDraft
-from drafts.dspark.head import ARCHITECTURE, DSparkForTraining, DSparkHead
+from drafts.dspark.head import DSparkForTraining, DSparkHead
 from recipe import ConfigError, TrainConfig
 
 
@@ -19,12 +19,6 @@ class DSpark(DFlash):
     one_layer_draft = "dspark:1"
     label = "DSpark"
     unquantised = ("fc", "proj")  # proj: the confidence head's, one output
-
-    def claims(self, spec: str) -> bool:
-        return spec == "dspark" or spec.startswith("dspark:")
-
-    def reads_folder(self, config: dict) -> bool:
-        return ARCHITECTURE in (config.get("architectures") or [])
 
     def check_train(self, cfg: TrainConfig) -> None:
         super().check_train(cfg)

@@ -12,10 +12,9 @@ from decoding.engine import generate
 from decoding.steps import confident_prefix
 from drafts import registry
 from drafts.dspark import DSpark, DSparkDraft, DSparkForTraining, DSparkHead
-from drafts.kind import TargetHidden, aux_features
 from recipe import ConfigError, DecodeSettings, TrainConfig
 from recipe.config import DSparkConfig
-from tests.helpers import assert_same_state, tiny_llama
+from tests.helpers import assert_same_state, target_hidden_of, tiny_llama
 
 VOCAB, MASK, K, RANK = 50, 7, 3, 8
 
@@ -38,13 +37,6 @@ def _head(target, seed=1, scale=0.3):
 @pytest.fixture(scope="module")
 def dspark(target):
     return _head(target)
-
-
-def _hidden(target, ids, layers):
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    return TargetHidden(out.hidden_states[-1], aux_features(out.hidden_states, layers),
-                        target.get_input_embeddings()(ids))
 
 
 class _Greedy:
@@ -77,7 +69,7 @@ def test_dspark_trains_on_exactly_what_it_serves(target, dspark):
     pred[0, 3:] = True
     wrapped = DSparkForTraining(dspark, 0.8, 0, confidence_weight=1.0)
     with torch.no_grad():
-        logits = wrapped(ids, torch.ones_like(ids), pred, _hidden(target, ids, dspark.aux_layers))
+        logits = wrapped(ids, torch.ones_like(ids), pred, target_hidden_of(target, ids, dspark.aux_layers))
     runs = wrapped.loss_rows(pred)
     offset = 0
     for j, run in enumerate(runs):

@@ -9,7 +9,6 @@ import torch
 from decoding.engine import generate
 from drafts.dflash import DFlash, DFlashDraft, DFlashForTraining, DFlashHead
 from drafts.dflash.head import check_aux_layers, check_fits_target
-from drafts.kind import TargetHidden, aux_features
 from drafts.parallel import (
     block_attention,
     block_plan,
@@ -19,7 +18,7 @@ from drafts.parallel import (
 )
 from drafts.pard import ParallelModelDraft, PardForTraining
 from recipe import ConfigError, DecodeSettings
-from tests.helpers import assert_same_state, greedy_chain_counts, tiny_llama
+from tests.helpers import assert_same_state, greedy_chain_counts, target_hidden_of, tiny_llama
 
 VOCAB, MASK, K = 50, 7, 3
 
@@ -127,13 +126,6 @@ def test_a_pard_mask_sees_its_prefix_and_the_masks_before_it_only():
     assert mask[0, 0, :, 5].sum() == 0  # the padded position is no one's key
 
 
-def _hidden(target, ids, layers):
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-    return TargetHidden(out.hidden_states[-1], aux_features(out.hidden_states, layers),
-                        target.get_input_embeddings()(ids))
-
-
 class _Greedy:
     temperature, top_p, top_k = 1.0, 1.0, 0  # propose's q at T=1, compared as log-probs
 
@@ -152,7 +144,7 @@ def test_dflash_trains_on_exactly_what_it_serves(target, dflash):
     ids, attention, pred = _batch()
     wrapped = DFlashForTraining(dflash, 0.8, 0)
     with torch.no_grad():
-        logits = wrapped(ids, attention, pred, _hidden(target, ids, dflash.aux_layers))
+        logits = wrapped(ids, attention, pred, target_hidden_of(target, ids, dflash.aux_layers))
     slots = wrapped.loss_rows(pred)
     assert logits.shape[0] == sum(s.count for s in slots)
     start = 5  # the engine after the prompt x_0..x_5 with x_6 pending
