@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from runfolder.paths import RunFolder
+from runfolder.provenance import cpu_name, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -185,8 +186,19 @@ def table(cells: list[dict], commit: str, cpu: str) -> str:
             rows.append(f"| {arch} | {kind} | " + " | ".join(entries) + " |")
     listed = [f"{i}. {n}".replace("|", "\\|") for i, n in enumerate(notes, 1)]
     return "\n".join([f"Table written at commit {commit} on {cpu}: `python -m "
-                      "benchmarks.architecture_matrix --write-docs`.", "", *head, *rows, "",
-                      *listed])
+                      "benchmarks.architecture_matrix --write-docs`. Cells computed at "
+                      f"{cells_provenance(cells)}.", "", *head, *rows, "", *listed])
+
+
+def cells_provenance(cells: list[dict]) -> str:
+    """Each commit and CPU that computed cells, with how many: a table may gather cells of
+    several runs ('unrecorded' for cells older than the record)."""
+    counts: dict[tuple[str, str], int] = {}
+    for c in cells:
+        key = (c.get("commit", "unrecorded"), c.get("hardware", "unrecorded"))
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"commit {commit} on {hardware} ({n} cell{'s' * (n != 1)})"
+                     for (commit, hardware), n in counts.items())
 
 
 def main() -> None:
@@ -238,34 +250,17 @@ def main() -> None:
                                                       engine=engine, status="failed",
                                                       reason=errors[arch]))
                 result["seconds"] = round(time.time() - start, 1)
+                result.update(commit=source_commit(), hardware=cpu_name())  # this cell's own
                 path.write_text(json.dumps(result, indent=2) + "\n")
                 print(f"[matrix] {arch} x {kind} x {engine}: {result['status']} "
                       f"{result.get('tau_ours', '')} {result.get('tau_engine', '')} "
                       f"{result.get('reason', '')} ({result['seconds']} s)", flush=True)
     cells = [json.loads(p.read_text()) for p in sorted(cells_dir.glob("*.json"))]
     results_file(root).write_text(json.dumps(cells, indent=2) + "\n")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    text = table(cells, commit, cpu_name())
+    text = table(cells, source_commit(), cpu_name())
     print(text)
     if args.write_docs:
         write_docs(text)
-
-
-def cpu_name() -> str:
-    """The CPU model, whether it computes bf16 natively (/proc/cpuinfo) and its L3 cache
-    (a small draft's weights stay in it between steps, a target's do not)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")  # e.g. 107520K
-    size = l3.read_text().strip() if l3.is_file() else ""
-    if size.endswith("K") and size[:-1].isdigit():
-        shown.append(f"L3 {int(size[:-1]) // 1024} MiB")
-    return f"{os.cpu_count()} x {model} ({' '.join(shown)})"
 
 
 BEGIN, END = "<!-- matrix:begin -->", "<!-- matrix:end -->"

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from assets.target import EMBEDDED, embedded, embedded_gguf, load_tokenizer, resolve_target
-from benchmarks.architecture_matrix import cpu_name
 from eval.speculative import quantile, speedup_stats
 from recipe import ConfigError, load_config
 from runfolder.prompts import load_eval_prompts
+from runfolder.provenance import cpu_name
 from serving.engines.base import Counters
 from serving.engines.llamacpp import LlamaServer, per_request
 from serving.engines.llamacpp_build import ensure_llamacpp

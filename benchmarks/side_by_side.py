@@ -54,13 +54,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.architecture_matrix import cpu_name
 from benchmarks.peers import PEERS, peer_python
 from benchmarks.peers.specforge import SPECFORGE_MATCHED, SPECFORGE_UNMATCHED, train_specforge
 from benchmarks.peers.speculators import MATCHED, UNMATCHED, speculators_steps, train_speculators
 from decoding.acceptance import prompt_bootstrap_tau
 from runfolder.paths import RunFolder
 from runfolder.prompts import across_categories
+from runfolder.provenance import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,14 +11,17 @@ from pathlib import Path
 
 from recipe import TrainConfig
 from runfolder import RunFolder, train_record, write_train_record
+from runfolder.provenance import hardware, source_commit
 
 
 def draft_record(state, before: dict | None, after: dict) -> dict:
     """What a draft folder's train record says of a draft saved after state's optimizer_step
-    (state: train.loop.TrainState; before, after: held-out figures)."""
+    (state: train.loop.TrainState; before, after: held-out figures), with the commit and the
+    hardware of the process that saved it (a resumed run's: the last)."""
     return {"optimizer_steps": state.optimizer_step, "before": before, "after": after,
             "tokens": state.tokens, "loss_tokens": state.loss_tokens,
-            "train_seconds": state.train_seconds}
+            "train_seconds": state.train_seconds, "commit": source_commit(),
+            "hardware": hardware()}
 
 
 class BestDraft:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 import train.loop as loop
 from runfolder import TRAIN_RECORD
+from runfolder.provenance import hardware, source_commit
 from train import accelerator_kwargs, train_draft
 
 
@@ -50,6 +51,8 @@ def test_the_best_evaluation_is_kept_and_the_last_step_beside_it(tiny_run, scrip
     assert kept["kept"]["last_optimizer_step"] == 6 and last["optimizer_steps"] == 6
     assert summary.after["greedy_tau"] == 2.0 and kept["kept"]["last"]["greedy_tau"] == 1.5
     assert not (train / "best").exists()
+    # each record names the code and hardware that trained it
+    assert kept["commit"] == last["commit"] == source_commit() and kept["hardware"] == hardware()
     saved = load_file(str(train / "draft" / "model.safetensors"))
     at_step_3 = weights[1]
     assert all(saved[name].equal(at_step_3[name]) for name in saved)
