@@ -162,14 +162,15 @@ def head_figures(found: dict, reference: list[list[int]]) -> dict:
 
 
 def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: dict[str, Path],
-            method: str, k: int, max_new_tokens: int, cache: Path) -> dict:
+            method: str | dict[str, str], k: int, max_new_tokens: int, cache: Path) -> dict:
     """Every head and the target alone in one vLLM worker, greedy: tau, alpha_k, texts equal
-    to the target's."""
+    to the target's. method: vLLM's, of every head or by head name."""
     from serving.engines.vllm import run_worker
 
     runs = {"target": None}
     for name, folder in heads.items():
-        runs[name] = {"method": method, "model": str(Path(folder).resolve()),
+        runs[name] = {"method": method if isinstance(method, str) else method[name],
+                      "model": str(Path(folder).resolve()),
                       "num_speculative_tokens": k}
     request = {"target": target_path, "dtype": "float32", "prompts": prompts,
                "max_new_tokens": max_new_tokens, "stop_token_ids": sorted(eos),
