@@ -36,8 +36,8 @@ def _log(out) -> list[dict]:
     return [json.loads(line) for line in (out / "train" / "log.jsonl").read_text().splitlines()]
 
 
-def _losses(out) -> dict[int, float]:
-    return {e["optimizer_step"]: e["loss"] for e in _log(out) if "loss" in e}
+def _losses(out, key: str = "loss") -> dict[int, float]:
+    return {e["optimizer_step"]: e[key] for e in _log(out) if key in e}
 
 
 def test_a_fresh_tiny_draft_learns_the_target(tiny_run):
@@ -235,8 +235,8 @@ def test_trackers_write_offline(tiny_run, tracker):
 
 KILLED_RUNS = {  # one process, and the launches whose processes each hold a shard of the state
     "independent": (),
-    "fsdp-2-processes": ("train.gradient_accumulation_steps=4",),
-    "zero3-2-processes": ("train.gradient_accumulation_steps=4",),
+    "fsdp-2-processes": (*EAGLE3, "train.gradient_accumulation_steps=4"),
+    "zero3-2-processes": (*EAGLE3, "train.gradient_accumulation_steps=4"),
 }
 LAUNCH = {"fsdp-2-processes": "fsdp-cpu.yaml", "zero3-2-processes": "deepspeed-zero3-cpu.yaml"}
 
@@ -246,7 +246,10 @@ LAUNCH = {"fsdp-2-processes": "fsdp-cpu.yaml", "zero3-2-processes": "deepspeed-z
 def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_run, tmp_path,
                                                                           case):
     """The pipeline's train stage in its own process, SIGKILLed (with every process it started)
-    once checkpoints exist, then the same command again: the loss curve of the uninterrupted run."""
+    once checkpoints exist, then the same command again: the loss curve and gradient norms of
+    the uninterrupted run. The sharded launches (an EAGLE-3 head, 2 processes x 2 micro_steps
+    against 1 x 4) are also tests/train/test_distributed.py's 2-processes-match-one for FSDP2
+    and ZeRO-3."""
     import subprocess
     import sys
     import time
@@ -256,6 +259,7 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
     reference = tiny_run(*overrides)
     _train(reference)
     expected = _losses(reference.run.output_path)
+    expected_norms = _losses(reference.run.output_path, "grad_norm")
 
     killed = tmp_path / "killed"
     shutil.copytree(reference.run.output_path, killed,
@@ -289,10 +293,12 @@ def test_sigkill_mid_run_then_the_same_command_resumes_to_the_same_curve(tiny_ru
                              check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {checkpoints / checkpoint_name(last)}" in resumed.stdout
-    losses = _losses(killed)
-    assert list(losses) == list(range(1, 25))
+    losses, norms = _losses(killed), _losses(killed, "grad_norm")
+    assert list(losses) == list(range(1, 25)) and list(norms) == list(range(1, 25))
     for step in range(1, 25):
         assert losses[step] == pytest.approx(expected[step], abs=1e-4), step
+        # before clipping: a wrong cross-process gradient scale shows here, not in the loss
+        assert norms[step] == pytest.approx(expected_norms[step], rel=1e-3), step
 
 
 def test_the_target_as_its_own_draft_is_predicted_to_reach_k_plus_one(tiny_run):
