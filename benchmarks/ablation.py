@@ -14,9 +14,10 @@ Steps, each resumed where a killed run left it:
    features are stage 1's (links: the first arm trained writes the features, the rest read
    them): `distill.py --stage train` in a fresh process with run.seed=<s>, the shared overrides
    and the arm's; then the draft exported for vLLM;
-3. every head and the target alone in one vLLM worker, greedy, on MT-bench first turns drawn
-   across its categories (`--split report`: the questions tables report; `select`: the
-   disjoint ones to choose arms on).
+3. every head not yet measured and the target alone in one vLLM worker, greedy, on MT-bench
+   first turns drawn across its categories (`--split report`: the questions tables report;
+   `select`: the disjoint ones to choose arms on); a head measured before in the same setting
+   keeps its figures (greedy vLLM gives the target the same text in every worker).
 The table gives, per arm and seed, the held-out figures its trainer logged and the head's vLLM
 tau with a 95 % interval over prompts, and its difference from the baseline of the same seed
 with the paired interval (the same prompts resampled together). An arm is called ahead or
@@ -90,6 +91,15 @@ def train_arm(config: Path, folder: Path, arm: Arm, seed: int, shared: list[str]
     subprocess.run(command, cwd=ROOT, check=True)
     cfg = load_config(config, overrides)
     return export_draft(cfg, cfg.eval.k)
+
+
+def head_identity(folder: Path) -> dict[str, str]:
+    """What tells one exported head from another in the same folder (a run trained again, an
+    export written again from the same draft is the same head): its weight files' SHA-256."""
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def arm_row(name: str, seed: int, record: dict, vllm: dict, base: dict | None) -> dict:
@@ -189,15 +199,20 @@ def main(argv: list[str] | None = None) -> int:
                for c in picked]
     results_path = work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    setting = {"heads": {n: str(f) for n, f in heads.items()}, "split": args.split,
-               "questions": [c.id for c in picked], "max_new_tokens": args.max_new_tokens,
-               "k": base.eval.k}
-    if results.get("setting") != setting:  # once per trained heads and setting
-        print(f"[ablation] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
+    setting = {"split": args.split, "questions": [c.id for c in picked],
+               "max_new_tokens": args.max_new_tokens, "k": base.eval.k}
+    if results.get("setting") != setting:  # every head is measured again
+        results = {"setting": setting, "vllm": {}, "heads": {}}
+    todo = {n: f for n, f in heads.items()
+            if n not in results["vllm"] or results["heads"].get(n) != head_identity(f)}
+    if todo:  # the heads not yet measured in this setting, or trained again since
+        print(f"[ablation] vLLM: {len(todo)} heads and the target, {len(prompts)} MT-bench "
               f"questions x {args.max_new_tokens} tokens, greedy, k={base.eval.k}", flush=True)
-        results = {"setting": setting, "vllm": measure(
-            resolved.path, prompts, end_of_turn_ids(target, tokenizer), heads, methods,
-            base.eval.k, args.max_new_tokens, cache_root() / "vllm")}
+        found = measure(resolved.path, prompts, end_of_turn_ids(target, tokenizer), todo,
+                        methods, base.eval.k, args.max_new_tokens, cache_root() / "vllm")
+        for name, folder in todo.items():
+            results["vllm"][name], results["heads"][name] = found[name], head_identity(folder)
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
     rows = []
     for seed in seeds:
         baseline = results["vllm"][f"{arms[0].name}/seed-{seed}"]

@@ -51,3 +51,15 @@ def test_each_arm_is_paired_with_the_baseline_of_its_seed_and_the_table_says_so(
     assert "commit abc1234 on 2 x Some CPU (avx2)" in table
     unrecorded = {k: v for k, v in record.items() if k not in ("commit", "hardware")}
     assert arm_row("fkl", 0, unrecorded, base, None)["commit"] == "unrecorded"
+
+
+def test_a_head_is_measured_again_only_when_its_weights_changed(tmp_path):
+    from benchmarks.ablation import head_identity
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "config.json").write_text("{}")
+    first = head_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"weights")  # the same export written again
+    assert head_identity(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"trained again")
+    assert head_identity(tmp_path) != first and list(first) == ["model.safetensors"]
