@@ -47,7 +47,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ from benchmarks.peers.speculators import MATCHED, UNMATCHED, speculators_steps, 
 from decoding.acceptance import prompt_bootstrap_tau
 from runfolder.paths import RunFolder
 from runfolder.prompts import across_categories
-from runfolder.provenance import cpu_name
+from runfolder.provenance import cpu_name, source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -388,8 +387,7 @@ def write_docs(results: dict, table: str, argv: list[str], today: str | None = N
     -> the file (docs/results.md lists it: add its line there)."""
     import datetime
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True, check=False).stdout.strip()
+    commit = source_commit()
     epochs = f"{results['epochs']} epoch{'s' if results['epochs'] != 1 else ''}"
     title = (f"Side by side: {results['config']}, {results['train_conversations']} training "
              f"conversations, {epochs}" + (f", {results['variant']} "
