@@ -21,7 +21,7 @@ Steps, each resumed where a killed run left it:
 The table gives, per arm and seed, the held-out figures its trainer logged and the head's vLLM
 tau with a 95 % interval over prompts, and its difference from the baseline of the same seed
 with the paired interval (the same prompts resampled together). An arm is called ahead or
-behind only where every seed's interval excludes 0 on the same side (`verdict`); otherwise the
+behind only where every seed's interval excludes 0 on the same side (`seeds_verdict`); otherwise the
 difference is not resolved. Each trained draft names the commit and hardware that trained it
 (its train record); the table lists them. Results: <work>/results.json; --write-docs writes a
 dated study of docs/results/ with the command.
@@ -37,8 +37,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.side_by_side import measure, share_stage1
-from decoding.acceptance import prompt_bootstrap_tau
+from benchmarks.side_by_side import head_identity, measure, share_stage1
+from decoding.acceptance import prompt_bootstrap_tau, seeds_verdict
 from runfolder import RunFolder, train_record
 from runfolder.prompts import across_categories
 from runfolder.provenance import cpu_name, source_commit
@@ -66,17 +66,6 @@ def parse_arm(text: str) -> Arm:
     return Arm(words[0], tuple(words[1:]))
 
 
-def verdict(differences: list[tuple[float, float, float]]) -> str:
-    """An arm against the baseline from each seed's (difference, low, high): 'ahead' or
-    'behind' when every seed's 95 % interval excludes 0 on the same side, else 'not resolved'
-    (one seed's interval cannot speak for the seed-to-seed variation)."""
-    if differences and all(low > 0 for _, low, _ in differences):
-        return "ahead"
-    if differences and all(high < 0 for _, _, high in differences):
-        return "behind"
-    return "not resolved"
-
-
 def train_arm(config: Path, folder: Path, arm: Arm, seed: int, shared: list[str]):
     """The arm trained with this seed by distill.py's train stage in a fresh process (a finished
     run is not redone), then exported for vLLM -> serving.engines.base.Export."""
@@ -91,15 +80,6 @@ def train_arm(config: Path, folder: Path, arm: Arm, seed: int, shared: list[str]
     subprocess.run(command, cwd=ROOT, check=True)
     cfg = load_config(config, overrides)
     return export_draft(cfg, cfg.eval.k)
-
-
-def head_identity(folder: Path) -> dict[str, str]:
-    """What tells one exported head from another in the same folder (a run trained again, an
-    export written again from the same draft is the same head): its weight files' SHA-256."""
-    import hashlib
-
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(Path(folder).glob("*.safetensors"))}
 
 
 def arm_row(name: str, seed: int, record: dict, vllm: dict, base: dict | None) -> dict:
@@ -136,7 +116,7 @@ def render_table(rows: list[dict], baseline: str) -> str:
     lines += ["", "| arm | against the baseline, over every seed |", "|---|---|"]
     for name in dict.fromkeys(r["arm"] for r in rows if "difference" in r):
         seen = [tuple(r["difference"]) for r in rows if r["arm"] == name]
-        lines.append(f"| {name} | {verdict(seen)} |")
+        lines.append(f"| {name} | {seeds_verdict(seen)} |")
     trained = {(r["commit"], r["hardware"]) for r in rows}
     lines += ["", "Trained at " + "; ".join(f"commit {c} on {h}" for c, h in sorted(trained))
               + "."]

@@ -55,9 +55,8 @@ import torch
 
 from benchmarks.peers import PEERS, peer_python
 from benchmarks.peers.specforge import SPECFORGE_MATCHED, SPECFORGE_UNMATCHED, train_specforge
-from benchmarks.peers.speculators import MATCHED, UNMATCHED, speculators_steps, train_speculators
-from decoding.acceptance import prompt_bootstrap_tau
-from runfolder.paths import RunFolder
+from benchmarks.peers.speculators import MATCHED, UNMATCHED, train_speculators
+from decoding.acceptance import prompt_bootstrap_tau, seeds_verdict
 from runfolder.prompts import across_categories
 from runfolder.provenance import cpu_name, source_commit
 
@@ -160,6 +159,15 @@ def head_figures(found: dict, reference: list[list[int]]) -> dict:
     return figures
 
 
+def head_identity(folder: Path) -> dict[str, str]:
+    """What tells one exported head from another in the same folder (a run trained again, an
+    export written again from the same draft is the same head): its weight files' SHA-256."""
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(folder).glob("*.safetensors"))}
+
+
 def measure(target_path: str, prompts: list[list[int]], eos: set[int], heads: dict[str, Path],
             method: str | dict[str, str], k: int, max_new_tokens: int, cache: Path) -> dict:
     """Every head and the target alone in one vLLM worker, greedy: tau, alpha_k, texts equal
@@ -189,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--peers", default="speculators")
     parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--seeds", default="",
+                        help="run.seed of each training, ours and the peers', e.g. 0,1 (each "
+                             "peer is paired with ours of the same seed); default: the recipe's")
     parser.add_argument("--conversations", type=int, default=200,
                         help="stage-1 prompts (data.max_prompts); the held-out share is the "
                              "recipe's")
@@ -231,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(args.config, [f"run.output_dir={work / 'stage1'}",
                                      f"data.max_prompts={args.conversations}", *args.overrides])
     kind = base.train.draft.partition(":")[0]
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [base.run.seed]
+    except ValueError:
+        raise ConfigError(f"--seeds {args.seeds!r}: give integers separated by commas, e.g. "
+                          "--seeds 0,1.") from None
     if kind not in MATCHED:
         raise ConfigError(f"{args.config}: train.draft is {base.train.draft!r}; the side by side "
                           f"compares {' and '.join(MATCHED)} trainers: pass a recipe of one "
@@ -255,63 +271,63 @@ def main(argv: list[str] | None = None) -> int:
 
     results_path = budget / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    results.update(config=str(args.config), kind=kind, epochs=args.epochs,
+    if results and "seeds" not in results:  # a run before seeds: its heads are not reused
+        raise ConfigError(f"{results_path} holds a run laid out before --seeds: move {budget} "
+                          "aside (or pass --work DIR) and run again.")
+    results.update(config=str(args.config), kind=kind, epochs=args.epochs, seeds=seeds,
                    train_conversations=len(train), held_out_conversations=len(held_out),
                    train_tokens=train_tokens,
                    cpu=cpu_name(), torch_threads=torch.get_num_threads(),
                    variant=args.variant, overrides=args.overrides)
-    trained = results.setdefault("trainers", {})
-
-    # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
-    ours = share_stage1(work / "stage1", budget / "ours")
-    cfg = load_config(args.config, [f"run.output_dir={ours}",
-                                    f"data.max_prompts={args.conversations}",
-                                    f"train.max_steps={steps}", "train.keep=last",
-                                    "train.freeze_embeddings=true", *args.overrides])
-    if "draftsmith" not in trained:
-        feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out, aux_layers,
-                      tokenizer.pad_token_id)  # ours, written before its clock starts
-        trained["draftsmith"] = train_ours(cfg)
-        results.pop("vllm_setting", None)  # a head trained now is measured now
-        results_path.write_text(json.dumps(results, indent=2) + "\n")
-        if any(peer not in trained for peer in peers):
-            # stage 1, the feature cache and ours' training leave ~9 GiB allocated in this
-            # process (354 DFlash conversations): a peer's trainer beside it met the OOM killer
-            # on 24 GiB. A fresh process finds ours done in results.json and goes on.
-            print("[side-by-side] ours trained; the peers go on in a fresh process", flush=True)
-            os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side", *argv])
-    bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
-
-    heads = {"draftsmith": Path(trained["draftsmith"]["folder"])}
-    draft_ids = head_vocabulary(heads["draftsmith"]) if kind == "eagle3" else None
-    mask_token = head_mask_token(heads["draftsmith"]) if kind == "dflash" else None
+    trained = results.setdefault("trainers", {})  # "<trainer>/seed-<s>" -> its run
     if "specforge" in peers and kind != "eagle3":
         raise ConfigError(f"--peers specforge: the side by side runs SpecForge's EAGLE-3 trainer "
                           f"only; a {KIND_NAMES[kind]} recipe compares with speculators "
                           "(--peers speculators).")
-    for peer in peers:
-        folder = budget / peer
-        if peer not in trained:
-            python = peer_python(peer)
-            if folder.exists():  # a killed run's: its log and clock would mix with this one's
-                print(f"[side-by-side] {peer}: the unfinished run in {folder} is started over")
-                shutil.rmtree(folder)
-            if peer == "specforge":
-                trained[peer] = train_specforge(python, cfg, resolved.path, work, folder, train,
-                                                target, aux_layers, draft_ids, args.epochs, bf16)
-            else:
-                trained[peer] = train_speculators(python, cfg, kind, resolved.path, work, folder,
-                                                  train, held_out, target, aux_layers, draft_ids,
-                                                  mask_token, args.epochs, bf16)
-            results.pop("vllm_setting", None)  # a head trained now is measured now
+
+    heads = {}
+    for seed in seeds:
+        # ours: the recipe with the budget in epochs, the last step's head kept (peers keep theirs)
+        ours = share_stage1(work / "stage1", budget / f"seed-{seed}" / "ours")
+        cfg = load_config(args.config, [f"run.output_dir={ours}", f"run.seed={seed}",
+                                        f"data.max_prompts={args.conversations}",
+                                        f"train.max_steps={steps}", "train.keep=last",
+                                        "train.freeze_embeddings=true", *args.overrides])
+        if f"draftsmith/seed-{seed}" not in trained:
+            feature_cache(cfg, target, resolved.fingerprint, data.train + data.held_out,
+                          aux_layers, tokenizer.pad_token_id)  # written before its clock starts
+            trained[f"draftsmith/seed-{seed}"] = train_ours(cfg)
             results_path.write_text(json.dumps(results, indent=2) + "\n")
-        heads[peer] = Path(trained[peer]["folder"])
-    if "step_rates" not in trained["draftsmith"]:  # a results.json written before they were
-        trained["draftsmith"]["step_rates"] = our_step_rates(RunFolder(ours).train_log)
-    for name, found in trained.items():
-        if "step_rates" not in found:  # speculators' runs recorded before they were
-            found["step_rates"] = speculators_steps(
-                (budget / name / "train.log").read_text())["step_rates"]
+            if any(f"{peer}/seed-{seed}" not in trained for peer in peers):
+                # stage 1, the feature cache and ours' training leave ~9 GiB allocated in this
+                # process (354 DFlash conversations): a peer's trainer beside it met the OOM
+                # killer on 24 GiB. A fresh process finds ours done in results.json, goes on.
+                print("[side-by-side] ours trained; the peers go on in a fresh process",
+                      flush=True)
+                os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
+                                          *argv])
+        bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
+        heads[f"draftsmith/seed-{seed}"] = Path(trained[f"draftsmith/seed-{seed}"]["folder"])
+        draft_ids = head_vocabulary(heads[f"draftsmith/seed-{seed}"]) if kind == "eagle3" else None
+        mask_token = head_mask_token(heads[f"draftsmith/seed-{seed}"]) if kind == "dflash" else None
+        for peer in peers:
+            name, folder = f"{peer}/seed-{seed}", budget / f"seed-{seed}" / peer
+            if name not in trained:
+                python = peer_python(peer)
+                if folder.exists():  # a killed run's: its log and clock would mix with this one's
+                    print(f"[side-by-side] {name}: the unfinished run in {folder} is started over")
+                    shutil.rmtree(folder)
+                if peer == "specforge":
+                    trained[name] = train_specforge(python, cfg, resolved.path, work, folder,
+                                                    train, target, aux_layers, draft_ids,
+                                                    args.epochs, bf16)
+                else:
+                    trained[name] = train_speculators(python, cfg, kind, resolved.path, work,
+                                                      folder, train, held_out, target, aux_layers,
+                                                      draft_ids, mask_token, args.epochs, bf16)
+                results_path.write_text(json.dumps(results, indent=2) + "\n")
+            heads[name] = Path(trained[name]["folder"])
+    for found in trained.values():
         found["tokens_per_second"] = found["step_tokens"] / found["step_seconds"]
         found["median_step_tokens_per_second"] = statistics.median(found["step_rates"])
 
@@ -320,18 +336,23 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [render(tokenizer, [{"role": "user", "content": c.user_turns[0]}], True)
                for c in picked]
     eos = end_of_turn_ids(target, tokenizer)
-    setting = {"heads": {name: str(folder) for name, folder in heads.items()},
-               "questions": [c.id for c in picked], "split": args.split,
+    setting = {"questions": [c.id for c in picked], "split": args.split,
                "max_new_tokens": args.max_new_tokens, "k": cfg.eval.k}
-    if results.get("vllm_setting") != setting:  # once per trained heads and setting
-        print(f"[side-by-side] vLLM: {len(heads)} heads and the target, {len(prompts)} MT-bench "
-              f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}")
-        results["vllm"] = measure(resolved.path, prompts, eos, heads, VLLM_METHOD[kind],
-                                  cfg.eval.k, args.max_new_tokens, cache_root() / "vllm")
-        results["vllm_setting"] = setting
+    if results.get("vllm_setting") != setting:  # every head is measured again
+        results.update(vllm_setting=setting, vllm={}, head_identity={})
+    todo = {name: folder for name, folder in heads.items()
+            if name not in results["vllm"]
+            or results["head_identity"].get(name) != head_identity(folder)}
+    if todo:  # heads not yet measured in this setting, or trained again since
+        print(f"[side-by-side] vLLM: {len(todo)} heads and the target, {len(prompts)} MT-bench "
+              f"questions x {args.max_new_tokens} tokens, greedy, k={cfg.eval.k}", flush=True)
+        found = measure(resolved.path, prompts, eos, todo, VLLM_METHOD[kind], cfg.eval.k,
+                        args.max_new_tokens, cache_root() / "vllm")
+        for name, folder in todo.items():
+            results["vllm"][name] = found[name]
+            results["head_identity"][name] = head_identity(folder)
     results.update(questions=len(prompts), question_ids=[c.id for c in picked],
-                   split=args.split, max_new_tokens=args.max_new_tokens, k=cfg.eval.k,
-                   kind=kind)
+                   split=args.split, max_new_tokens=args.max_new_tokens, k=cfg.eval.k)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     table = render_table(results)
     print(settings(kind))
@@ -356,27 +377,40 @@ def settings(kind: str) -> str:
 
 
 def render_table(results: dict) -> str:
-    """The trainers' heads in vLLM: tau with its 95 % interval over prompts, and each peer's
-    difference from ours with its paired interval (the same prompts resampled together)."""
-    lines = ["| trainer | tau [95 % over prompts] | minus draftsmith's [95 %] | alpha_1..k | "
-             "texts = target's | wall time | optimizer steps | training tokens/s (all steps / "
-             "median step) |", "|---|---|---|---|---|---|---|---|"]
-    ours = results["vllm"].get("draftsmith", {}).get("per_prompt")
+    """The trainers' heads in vLLM, seed by seed: tau with its 95 % interval over prompts, and
+    each peer's difference from ours of the same seed with its paired interval (the same
+    prompts resampled together); then ours against each peer over every seed
+    (decoding.acceptance.seeds_verdict) and the training speed ratio."""
+    lines = ["| trainer | seed | tau [95 % over prompts] | minus draftsmith's [95 %] | "
+             "alpha_1..k | texts = target's | wall time | optimizer steps | training tokens/s "
+             "(all steps / median step) |", "|---|---|---|---|---|---|---|---|---|"]
+    against: dict[str, list] = {}  # peer -> [(ours - theirs, low, high), speed ratio] per seed
     for name, found in results["trainers"].items():
+        trainer, seed = name.split("/seed-")
         v = results["vllm"][name]
+        ours = results["vllm"].get(f"draftsmith/seed-{seed}", {}).get("per_prompt")
         alpha = " / ".join(f"{a:.3f}" for a in v["alpha"])
         interval = (f" [{v['tau_interval'][0]:.3f}, {v['tau_interval'][1]:.3f}]"
                     if "tau_interval" in v else "")
         difference = "-"
-        if name != "draftsmith" and ours and "per_prompt" in v:
+        if trainer != "draftsmith" and ours and "per_prompt" in v:
             d, low, high = prompt_bootstrap_tau(v["per_prompt"]["drafts"],
                                                 v["per_prompt"]["accepted"],
                                                 ours["drafts"], ours["accepted"])
             difference = f"{d:+.3f} [{low:+.3f}, {high:+.3f}]"
-        lines.append(f"| {name} | {v['tau']:.3f}{interval} | {difference} | {alpha} | "
+            speed = (results["trainers"][f"draftsmith/seed-{seed}"]["median_step_tokens_per_second"]
+                     / found["median_step_tokens_per_second"])
+            against.setdefault(trainer, []).append(((-d, -high, -low), speed))
+        lines.append(f"| {trainer} | {seed} | {v['tau']:.3f}{interval} | {difference} | {alpha} | "
                      f"{v['identical_texts']}/{v['prompts']} | {found['wall_seconds']:.0f} s | "
                      f"{found['optimizer_steps']} | {found['tokens_per_second']:.0f} / "
                      f"{found['median_step_tokens_per_second']:.0f} |")
+    if against:
+        lines += ["", "| draftsmith against | tau, over every seed | training tokens/s, ours over "
+                  "theirs (median step), per seed |", "|---|---|---|"]
+    for peer, seen in against.items():
+        lines.append(f"| {peer} | {seeds_verdict([d for d, _ in seen])} | "
+                     f"{' / '.join(f'{r:.2f}x' for _, r in seen)} |")
     return "\n".join(lines)
 
 
@@ -407,7 +441,8 @@ def write_docs(results: dict, table: str, argv: list[str], today: str | None = N
         f"({results.get('split', 'report')} split: questions "
         f"{', '.join(map(str, results.get('question_ids', [])))}) x "
         f"{results['max_new_tokens']} tokens, greedy, k={results['k']}; intervals resample "
-        "prompts, one training seed per trainer.", "", table, "",
+        f"prompts; training seeds {results.get('seeds', [0])}, each peer paired with ours of "
+        "the same seed.", "", table, "",
         settings(results.get("kind", "eagle3")), ""]))
     return doc
 

@@ -261,3 +261,15 @@ def prompt_bootstrap_tau(drafts: list[int], accepted: list[int],
     samples = [s for s in samples if s == s] or [float("nan")]  # a draw with no drafts at all
     low, high = (samples[min(len(samples) - 1, int(q * len(samples)))] for q in (0.025, 0.975))
     return value(range(n)), low, high
+
+
+def seeds_verdict(differences: list[tuple[float, float, float]]) -> str:
+    """One method against another from each training seed's paired (difference, low, high):
+    'ahead' or 'behind' when every seed's 95 % interval excludes 0 on the same side, else
+    'not resolved' (one seed's interval over prompts cannot speak for the variation between
+    trainings)."""
+    if differences and all(low > 0 for _, low, _ in differences):
+        return "ahead"
+    if differences and all(high < 0 for _, _, high in differences):
+        return "behind"
+    return "not resolved"

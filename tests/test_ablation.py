@@ -1,9 +1,9 @@
-"""The ablation benchmark's own pieces (benchmarks/ablation.py): arms from the command line, the
-verdict over seeds and the table. Training and vLLM are the benchmark's job, not a test's."""
+"""The ablation benchmark's own pieces (benchmarks/ablation.py): arms from the command line and
+the table. Training and vLLM are the benchmark's job, not a test's."""
 
 import pytest
 
-from benchmarks.ablation import Arm, arm_row, parse_arm, render_table, verdict
+from benchmarks.ablation import Arm, arm_row, parse_arm, render_table
 from recipe import ConfigError
 
 
@@ -16,14 +16,6 @@ def test_an_arm_is_a_name_then_its_overrides():
                      ("lk train.loss", "is not a key=value")]:
         with pytest.raises(ConfigError, match=why):
             parse_arm(bad)
-
-
-def test_an_arm_is_ahead_only_where_every_seeds_interval_excludes_zero():
-    assert verdict([(0.05, 0.01, 0.09), (0.04, 0.002, 0.08)]) == "ahead"
-    assert verdict([(-0.05, -0.09, -0.01), (-0.04, -0.08, -0.002)]) == "behind"
-    assert verdict([(0.05, 0.01, 0.09), (0.03, -0.01, 0.07)]) == "not resolved"
-    assert verdict([(0.05, 0.01, 0.09), (-0.05, -0.09, -0.01)]) == "not resolved"
-    assert verdict([]) == "not resolved"
 
 
 def _vllm(drafts, accepted):
@@ -54,7 +46,7 @@ def test_each_arm_is_paired_with_the_baseline_of_its_seed_and_the_table_says_so(
 
 
 def test_a_head_is_measured_again_only_when_its_weights_changed(tmp_path):
-    from benchmarks.ablation import head_identity
+    from benchmarks.side_by_side import head_identity
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     (tmp_path / "config.json").write_text("{}")

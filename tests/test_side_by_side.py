@@ -129,14 +129,21 @@ def test_acceptance_figures_from_vllms_counters_with_intervals_over_prompts():
                          "accepted_per_position": [3, 0, 0, 0]}, reference)
     trainer = {"wall_seconds": 100.4, "optimizer_steps": 6, "tokens_per_second": 321.6,
                "median_step_tokens_per_second": 340.2}
-    table = render_table({"trainers": {"draftsmith": trainer, "peer": trainer},
-                          "vllm": {"draftsmith": figures, "peer": peer}})
-    assert (f"| draftsmith | 2.000 [{low:.3f}, {high:.3f}] | - | 0.600 / 0.300 / 0.100 / 0.000 "
-            "| 2/3 | 100 s | 6 | 322 / 340 |" in table)
-    row = next(line for line in table.splitlines() if line.startswith("| peer |"))
-    difference = row.split(" | ")[2]  # every prompt accepts less than ours: below zero
+    slower = {**trainer, "median_step_tokens_per_second": 170.1}
+    table = render_table({"trainers": {"draftsmith/seed-0": trainer, "peer/seed-0": slower},
+                          "vllm": {"draftsmith/seed-0": figures, "peer/seed-0": peer}})
+    assert (f"| draftsmith | 0 | 2.000 [{low:.3f}, {high:.3f}] | - | 0.600 / 0.300 / 0.100 / "
+            "0.000 | 2/3 | 100 s | 6 | 322 / 340 |" in table)
+    row = next(line for line in table.splitlines() if line.startswith("| peer | 0 |"))
+    difference = row.split(" | ")[3]  # every prompt accepts less than ours: below zero
     assert difference.startswith("-0.700 [") and difference.endswith("]")
     assert float(difference.split("[")[1].split(",")[1].rstrip("]")) < 0
+    assert "| peer | ahead | 2.00x |" in table  # ours ahead in its one seed, twice as fast
+    second = render_table({"trainers": {"draftsmith/seed-0": trainer, "peer/seed-0": slower,
+                                        "draftsmith/seed-1": trainer, "peer/seed-1": trainer},
+                           "vllm": {"draftsmith/seed-0": figures, "peer/seed-0": peer,
+                                    "draftsmith/seed-1": figures, "peer/seed-1": figures}})
+    assert "| peer | not resolved | 2.00x / 1.00x |" in second  # seed 1: the same head
     json.dumps(figures)  # results.json holds it
 
 

@@ -128,3 +128,13 @@ def test_prompt_bootstrap_tau_pools_prompts_and_resamples_them():
     assert diff == 0.0 and low < 0 < high  # better on one prompt, worse on the other
     with pytest.raises(ValueError, match="no prompts"):
         prompt_bootstrap_tau([], [])
+
+
+def test_a_method_is_ahead_only_where_every_seeds_interval_excludes_zero():
+    from decoding.acceptance import seeds_verdict as verdict
+
+    assert verdict([(0.05, 0.01, 0.09), (0.04, 0.002, 0.08)]) == "ahead"
+    assert verdict([(-0.05, -0.09, -0.01), (-0.04, -0.08, -0.002)]) == "behind"
+    assert verdict([(0.05, 0.01, 0.09), (0.03, -0.01, 0.07)]) == "not resolved"
+    assert verdict([(0.05, 0.01, 0.09), (-0.05, -0.09, -0.01)]) == "not resolved"
+    assert verdict([]) == "not resolved"
