@@ -3,7 +3,8 @@ conversations, the same target features and matched settings, every head measure
 run.
 
     .venv/bin/python -m benchmarks.side_by_side --config configs/smollm2-135m-eagle3.yaml
-        [--peers speculators[,specforge]] [--epochs 8] [--conversations 200] [--questions 10]
+        [--peers speculators[,specforge]] [--epochs 8] [--seeds 0,1] [--conversations 200]
+        [--questions 16]
         [--max-new-tokens 256] [--work DIR] [--write-docs] [--variant NAME]
         [recipe overrides key=value ...]
 
@@ -23,18 +24,21 @@ Steps, each resumed where a killed run left it (the work folder keeps what is do
    features and the last hidden state after the final norm); for EAGLE-3 the draft vocabulary
    our trainer picked (the most frequent training labels) written as the peer's d2t / t2d, for
    DFlash our mask token;
-4. our trainer (resumed from its checkpoints), then each peer's (in a fresh process that finds
-   ours done, so that the memory our stages left allocated is free for it; started over
+4. for each seed of `--seeds` (the recipe's run.seed by default; each peer gets the same as
+   its seed): our trainer (resumed from its checkpoints), then each peer's (in a fresh process
+   that finds ours done, so that the memory our stages left allocated is free for it; started over
    if killed, so that one run is timed), for the same epochs: the wall time of each (features
    excluded: they are shared) and the training tokens/s of its optimizer steps, as each
    trainer's own clock times them (SpecForge's: a clock the entry point puts around each of its
    steps): over all steps, and the median step's (robust to other work on the CPU);
 5. every head in one vLLM worker, greedy, on MT-bench first turns: tau, alpha_k, and whether
-   each text equals the target's own.
+   each text equals the target's own (a head measured before in the same setting keeps its
+   figures).
 The matched settings and those that cannot be matched are listed in MATCHED and UNMATCHED
 (SPECFORGE_MATCHED and SPECFORGE_UNMATCHED for SpecForge) and printed with the table.
-Results: <work>/<epochs>-epochs/results.json; --write-docs writes them as a dated study of
-docs/results/ with the CPU, the commit and this command. An ablation of ours
+Runs: <work>/<epochs>-epochs/seed-<s>/<trainer>; results: <work>/<epochs>-epochs/results.json;
+--write-docs writes them as a dated study of docs/results/ with the CPU, the commit and this
+command. An ablation of ours
 (`--variant NAME --peers '' key=value ...`) trains ours again with the overrides on the same
 conversations and features, in <work>/<epochs>-epochs-<NAME>, and measures it in vLLM.
 """
