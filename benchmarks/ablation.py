@@ -213,12 +213,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_docs(results: dict, table: str, argv: list[str], picked,
                today: str | None = None) -> Path:
-    """The run as a study of the dated results log: docs/results/<date>-ablation-<recipe>.md
-    -> the file (docs/results.md lists it: add its line there)."""
+    """The run as a study of the dated results log: docs/results/<date>-ablation-<recipe>.md,
+    <date>-ablation-<recipe>-select.md for the selection split (so that choosing on one split
+    and confirming on the other writes two studies) -> the file (docs/results.md lists it: add
+    its line there)."""
     import datetime
 
     today = today or datetime.date.today().isoformat()
-    doc = ROOT / "docs" / "results" / f"{today}-ablation-{Path(results['config']).stem}.md"
+    split = "" if results["setting"]["split"] == "report" else f"-{results['setting']['split']}"
+    doc = ROOT / "docs" / "results" / f"{today}-ablation-{Path(results['config']).stem}{split}.md"
+    doc.parent.mkdir(parents=True, exist_ok=True)
     arms = "\n".join(f"- `{name}`: {' '.join(f'`{o}`' for o in overrides) or 'the recipe'}"
                      for name, *overrides in results["arms"])
     setting = results["setting"]

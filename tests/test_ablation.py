@@ -55,3 +55,21 @@ def test_a_head_is_measured_again_only_when_its_weights_changed(tmp_path):
     assert head_identity(tmp_path) == first
     (tmp_path / "model.safetensors").write_bytes(b"trained again")
     assert head_identity(tmp_path) != first and list(first) == ["model.safetensors"]
+
+
+def test_a_study_of_each_split_is_its_own_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks import ablation
+
+    monkeypatch.setattr(ablation, "ROOT", tmp_path)
+    results = {"config": "configs/r.yaml", "arms": [["fkl", "train.loss=fkl"]], "shared": [],
+               "seeds": [0, 1], "cpu": "2 x CPU",
+               "setting": {"split": "report", "k": 4, "max_new_tokens": 128}}
+    picked = [SimpleNamespace(id="mtbench:81")]
+    report = ablation.write_docs(results, "report table", [], picked, today="2026-12-07")
+    select = ablation.write_docs({**results, "setting": {**results["setting"], "split": "select"}},
+                                 "select table", [], picked, today="2026-12-07")
+    assert report.name == "2026-12-07-ablation-r.md"
+    assert select.name == "2026-12-07-ablation-r-select.md"
+    assert "report table" in report.read_text() and "select split" in select.read_text()
