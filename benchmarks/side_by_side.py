@@ -311,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                 os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
                                           *argv])
         bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
-        heads[f"draftsmith/seed-{seed}"] = Path(trained[f"draftsmith/seed-{seed}"]["folder"])
-        draft_ids = head_vocabulary(heads[f"draftsmith/seed-{seed}"]) if kind == "eagle3" else None
-        mask_token = head_mask_token(heads[f"draftsmith/seed-{seed}"]) if kind == "dflash" else None
+        head = heads[f"draftsmith/seed-{seed}"] = Path(trained[f"draftsmith/seed-{seed}"]["folder"])
+        draft_ids = head_vocabulary(head) if kind == "eagle3" else None
+        mask_token = head_mask_token(head) if kind == "dflash" else None
         for peer in peers:
             name, folder = f"{peer}/seed-{seed}", budget / f"seed-{seed}" / peer
             if name not in trained:

@@ -221,16 +221,21 @@ def _behave(url: str, headers: dict, body: dict, behaviour: str, timeout: float)
     return checked(done, True) or "answered"
 
 
+THREAD_SLACK = 2
+"""Threads the server may hold after a phase beyond those before it (its own bookkeeping); more
+that stay past the settle time are a leak."""
+
+
 def phase(name: str, run, url: str, headers: dict, pid: int, settle_s: float = 60) -> dict:
     """A phase with the server's figures and /metrics' counts around it; its after-figures are
-    taken once the requests it admitted have ended and its threads are back within 2 of before
-    (or settle_s has passed: a leak stays past it)."""
+    taken once the requests it admitted have ended and its threads are back within
+    THREAD_SLACK of before (or settle_s has passed: a leak stays past it)."""
     before, (counts_before, _) = process_figures(pid), counted(url, headers)
     result = run()
     deadline = time.time() + settle_s
     while (admitted := counted(url, headers)[1]) > 0 and time.time() < deadline:
         time.sleep(0.5)  # abandoned requests end at their next step
-    while (after := process_figures(pid))["threads"] > before["threads"] + 2 \
+    while (after := process_figures(pid))["threads"] > before["threads"] + THREAD_SLACK \
             and time.time() < deadline:
         time.sleep(0.5)  # the worker threads a burst started exit after ~10 s idle (anyio's)
     counts_after, _ = counted(url, headers)
