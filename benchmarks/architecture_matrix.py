@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from runfolder.paths import RunFolder
-from runfolder.provenance import cpu_name, source_commit
+from runfolder.provenance import cpu_name, provenance_counts, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
@@ -187,18 +187,7 @@ def table(cells: list[dict], commit: str, cpu: str) -> str:
     listed = [f"{i}. {n}".replace("|", "\\|") for i, n in enumerate(notes, 1)]
     return "\n".join([f"Table written at commit {commit} on {cpu}: `python -m "
                       "benchmarks.architecture_matrix --write-docs`. Cells computed at "
-                      f"{cells_provenance(cells)}.", "", *head, *rows, "", *listed])
-
-
-def cells_provenance(cells: list[dict]) -> str:
-    """Each commit and CPU that computed cells, with how many: a table may gather cells of
-    several runs ('unrecorded' for cells older than the record)."""
-    counts: dict[tuple[str, str], int] = {}
-    for c in cells:
-        key = (c.get("commit", "unrecorded"), c.get("hardware", "unrecorded"))
-        counts[key] = counts.get(key, 0) + 1
-    return "; ".join(f"commit {commit} on {hardware} ({n} cell{'s' * (n != 1)})"
-                     for (commit, hardware), n in counts.items())
+                      f"{provenance_counts(cells, 'cell')}.", "", *head, *rows, "", *listed])
 
 
 def main() -> None:

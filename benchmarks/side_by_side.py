@@ -62,7 +62,7 @@ from benchmarks.peers.specforge import SPECFORGE_MATCHED, SPECFORGE_UNMATCHED, t
 from benchmarks.peers.speculators import MATCHED, UNMATCHED, train_speculators
 from decoding.acceptance import prompt_bootstrap_tau, seeds_verdict
 from runfolder.prompts import across_categories
-from runfolder.provenance import cpu_name, source_commit
+from runfolder.provenance import cpu_name, hardware, provenance_counts, source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,17 @@ def train_ours(cfg, log=print) -> dict:
     return {"folder": str(exported.folder), "wall_seconds": seconds,
             "step_seconds": summary.train_seconds, "step_tokens": summary.tokens,
             "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from,
-            "step_rates": our_step_rates(run_folder(cfg).train_log)}
+            "step_rates": our_step_rates(run_folder(cfg).train_log),
+            **trained_where(run_folder(cfg).draft)}
+
+
+def trained_where(draft_folder: Path) -> dict:
+    """The commit and hardware our trainer recorded with its draft (a resumed run's: its last
+    process's)."""
+    from runfolder import train_record
+
+    record = train_record(draft_folder) or {}
+    return {key: record[key] for key in ("commit", "hardware") if key in record}
 
 
 def head_vocabulary(head_folder: Path) -> torch.Tensor:
@@ -231,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     from distill import run_distill
     from drafts.eagle3 import check_aux_layers, default_aux_layers
     from recipe import ConfigError, cache_root, load_config
+    from runfolder import run_folder
     from train.data import load_stage1, truncate
     from train.features import feature_cache
     from train.loop import accelerator_kwargs, reset_accelerate
@@ -310,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
                                           *argv])
+        if "commit" not in trained[f"draftsmith/seed-{seed}"]:  # trained before it was kept here
+            trained[f"draftsmith/seed-{seed}"].update(trained_where(run_folder(cfg).draft))
         bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
         head = heads[f"draftsmith/seed-{seed}"] = Path(trained[f"draftsmith/seed-{seed}"]["folder"])
         draft_ids = head_vocabulary(head) if kind == "eagle3" else None
@@ -329,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     trained[name] = train_speculators(python, cfg, kind, resolved.path, work,
                                                       folder, train, held_out, target, aux_layers,
                                                       draft_ids, mask_token, args.epochs, bf16)
+                trained[name].update(commit=source_commit(), hardware=hardware())
                 results_path.write_text(json.dumps(results, indent=2) + "\n")
             heads[name] = Path(trained[name]["folder"])
     for found in trained.values():
@@ -353,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         found = measure(resolved.path, prompts, eos, todo, VLLM_METHOD[kind], cfg.eval.k,
                         args.max_new_tokens, cache_root() / "vllm")
         for name, folder in todo.items():
-            results["vllm"][name] = found[name]
+            results["vllm"][name] = {**found[name], "commit": source_commit(),
+                                     "hardware": hardware()}
             results["head_identity"][name] = head_identity(folder)
     results.update(questions=len(prompts), question_ids=[c.id for c in picked],
                    split=args.split, max_new_tokens=args.max_new_tokens, k=cfg.eval.k)
@@ -415,6 +430,8 @@ def render_table(results: dict) -> str:
     for peer, seen in against.items():
         lines.append(f"| {peer} | {seeds_verdict([d for d, _ in seen])} | "
                      f"{' / '.join(f'{r:.2f}x' for _, r in seen)} |")
+    lines += ["", (f"Trained at {provenance_counts(results['trainers'].values(), 'run')}; "
+                   f"measured in vLLM at {provenance_counts(results['vllm'].values(), 'head')}.")]
     return "\n".join(lines)
 
 

@@ -52,3 +52,15 @@ def source_commit(root: Path = ROOT) -> str:
     except OSError:  # no git on the PATH
         return "unknown"
     return head.stdout.strip() + ("+changes" if changed else "")
+
+
+def provenance_counts(records, unit: str) -> str:
+    """Each commit and hardware that computed `records` (dicts with "commit" and "hardware"),
+    with how many `unit`s each: a table may gather figures of several runs ('unrecorded' for
+    records older than the record)."""
+    counts: dict[tuple[str, str], int] = {}
+    for r in records:
+        key = (r.get("commit", "unrecorded"), r.get("hardware", "unrecorded"))
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"commit {commit} on {hardware} ({n} {unit}{'s' * (n != 1)})"
+                     for (commit, hardware), n in counts.items())

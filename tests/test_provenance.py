@@ -4,7 +4,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from runfolder.provenance import cpu_name, hardware, source_commit
+from runfolder.provenance import cpu_name, hardware, provenance_counts, source_commit
 
 
 def _git(root, *args):
@@ -37,3 +37,11 @@ def test_the_hardware_names_the_cpu_with_its_bf16_flags():
         assert torch.cuda.get_device_name(0) in hardware()
     else:
         assert hardware() == name
+
+
+def test_provenance_counts_each_commit_and_hardware_and_names_what_was_never_recorded():
+    records = [{"commit": "abc", "hardware": "2 x CPU"}, {"commit": "abc", "hardware": "2 x CPU"},
+               {"commit": "def", "hardware": "1 x H100"}, {"tau": 1.2}]
+    assert provenance_counts(records, "run") == ("commit abc on 2 x CPU (2 runs); commit def on "
+                                                 "1 x H100 (1 run); commit unrecorded on "
+                                                 "unrecorded (1 run)")

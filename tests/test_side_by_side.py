@@ -144,6 +144,17 @@ def test_acceptance_figures_from_vllms_counters_with_intervals_over_prompts():
                            "vllm": {"draftsmith/seed-0": figures, "peer/seed-0": peer,
                                     "draftsmith/seed-1": figures, "peer/seed-1": figures}})
     assert "| peer | not resolved | 2.00x / 1.00x |" in second  # seed 1: the same head
+    assert second.endswith("Trained at commit unrecorded on unrecorded (4 runs); measured in "
+                           "vLLM at commit unrecorded on unrecorded (4 heads).")
+    where = {"commit": "abc1234", "hardware": "2 x CPU (avx2)"}
+    third = render_table({"trainers": {"draftsmith/seed-0": {**trainer, **where},
+                                       "peer/seed-0": {**slower, "commit": "def5678",
+                                                       "hardware": "2 x CPU (avx2)"}},
+                          "vllm": {"draftsmith/seed-0": {**figures, **where},
+                                   "peer/seed-0": {**peer, **where}}})
+    assert third.endswith("Trained at commit abc1234 on 2 x CPU (avx2) (1 run); commit def5678 "
+                          "on 2 x CPU (avx2) (1 run); measured in vLLM at commit abc1234 on "
+                          "2 x CPU (avx2) (2 heads).")
     json.dumps(figures)  # results.json holds it
 
 
@@ -386,3 +397,13 @@ def test_a_run_is_written_as_a_dated_study_with_its_settings(tmp_path, monkeypat
     variant = side_by_side.write_docs({**results, "variant": "lr", "overrides": ["x=1"]},
                                       "table", [], today="2026-12-07")
     assert variant.name.endswith("-1-epochs-lr.md") and doc.read_text() == text
+
+
+def test_ours_is_placed_where_its_trainer_recorded_it(tmp_path):
+    from benchmarks.side_by_side import trained_where
+    from runfolder import write_train_record
+
+    assert trained_where(tmp_path) == {}  # no finished draft: nothing to say
+    write_train_record(tmp_path, {"optimizer_steps": 4, "commit": "abc1234",
+                                  "hardware": "2 x CPU (avx2)"})
+    assert trained_where(tmp_path) == {"commit": "abc1234", "hardware": "2 x CPU (avx2)"}
