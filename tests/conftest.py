@@ -105,6 +105,10 @@ _background_builds: list[tuple[subprocess.Popen, bool]] = []
 """(process, whether stopping it early is safe)."""
 
 
+def _needs_llamacpp(item) -> bool:
+    return "llamacpp" in getattr(item, "fixturenames", ())
+
+
 def _builds_wanted(items) -> list[tuple[list[str], bool]]:
     """The tools that the selected slow tests need and that are not built yet, as (command,
     whether stopping it early is safe): llama.cpp's llama-server (the `llamacpp` fixture; an
@@ -117,7 +121,7 @@ def _builds_wanted(items) -> list[tuple[list[str], bool]]:
                 if item.get_closest_marker("slow") or item.get_closest_marker("integration")]
     builds = []
     stamp = llamacpp_for_tests() / BUILD / "build" / "draftsmith-build.json"
-    if (any("llamacpp" in getattr(item, "fixturenames", ()) for item in launched)
+    if (any(_needs_llamacpp(item) for item in launched)
             and not stamp.is_file() and not missing_build_tools()):
         builds.append(([sys.executable, "-c",
                         "from serving.engines.llamacpp_build import main; main()"], True))
@@ -125,6 +129,16 @@ def _builds_wanted(items) -> list[tuple[list[str], bool]]:
         builds.append(([sys.executable, "-c",
                         "from deepspeed.comm.torch import build_shm_op; build_shm_op()"], False))
     return builds
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The modules of tests that need llama.cpp's build run last, in their own order: the
+    background build (pytest_collection_finish: ~5 minutes of both cores alone; its last build
+    here, at nice 19 beside the slow tier, took 29 minutes) has the whole run before them to
+    finish in, instead of making the first of them wait for what is left of it."""
+    late = {getattr(item, "module", None) for item in items if _needs_llamacpp(item)}
+    items[:] = ([item for item in items if getattr(item, "module", None) not in late]
+                + [item for item in items if getattr(item, "module", None) in late])
 
 
 def pytest_collection_finish(session) -> None:

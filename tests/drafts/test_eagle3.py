@@ -194,17 +194,18 @@ def test_quantised_weights_keep_the_output_the_targets(target, weights, linear):
 
 
 @pytest.mark.slow  # inductor compiles three graphs (~1 minute on 2 CPU cores)
-@pytest.mark.parametrize("layers, eagle31", [(1, False), (2, True)],
-                         ids=["1 layer", "2 layers, EAGLE 3.1"])
-def test_compiled_steps_draft_what_the_eager_head_drafts(target, layers, eagle31):
+def test_compiled_steps_draft_what_the_eager_head_drafts(target):
     """eval.draft_compile: greedy chains and the settling after verification run compiled
     (drafts/eagle3/compiled.py) and propose what the eager head proposes, chain by chain (the
     same tokens, logits within rounding), over left-padded rows of different lengths (holes in
     the head's cache), a row whose cache outgrows its first capacity (256 slots), and a second
     k; output stays the target's. Sampled decoding (eager chains, compiled settling) repeats
     the eager run's output under the same seed. A later engine run reuses the compiled code,
-    and leaves the head's state a fresh start's. A head of two layers too, and EAGLE 3.1's."""
-    head = _head(target, layers=layers, eagle31=eagle31)
+    and leaves the head's state a fresh start's. The head has two layers and EAGLE 3.1's norms:
+    the compiled code loops over the layers and calls the head's own feedback, so one layer
+    and the plain EAGLE-3 head are the same code with less in it (each graph compile costs
+    about a minute here)."""
+    head = _head(target, layers=2, eagle31=True)
     prompts, ids, mask = _prompts([5, 250, 8])
     runs = {}
     for compile in (False, True):

@@ -191,6 +191,7 @@ def test_the_source_patch_records_qwen2_layer_inputs_and_refuses_another_tree(tm
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("llamacpp")
 def test_the_built_tree_carries_the_source_patches(request):
     built = request.getfixturevalue("llamacpp")  # the session's build (the module is llamacpp)
     for name, (_, replacement) in llamacpp.SOURCE_PATCHES.items():
