@@ -404,7 +404,12 @@ def render_table(results: dict) -> str:
              "alpha_1..k | texts = target's | wall time | optimizer steps | training tokens/s "
              "(all steps / median step) |", "|---|---|---|---|---|---|---|---|---|"]
     against: dict[str, list] = {}  # peer -> [(ours - theirs, low, high), speed ratio] per seed
-    for name, found in results["trainers"].items():
+    def order(name: str) -> tuple:  # seed by seed, ours first
+        trainer, seed = name.split("/seed-")
+        return int(seed), trainer != "draftsmith", trainer
+
+    for name in sorted(results["trainers"], key=order):
+        found = results["trainers"][name]
         trainer, seed = name.split("/seed-")
         v = results["vllm"][name]
         ours = results["vllm"].get(f"draftsmith/seed-{seed}", {}).get("per_prompt")

@@ -139,11 +139,14 @@ def test_acceptance_figures_from_vllms_counters_with_intervals_over_prompts():
     assert difference.startswith("-0.700 [") and difference.endswith("]")
     assert float(difference.split("[")[1].split(",")[1].rstrip("]")) < 0
     assert "| peer | ahead | 2.00x |" in table  # ours ahead in its one seed, twice as fast
-    second = render_table({"trainers": {"draftsmith/seed-0": trainer, "peer/seed-0": slower,
-                                        "draftsmith/seed-1": trainer, "peer/seed-1": trainer},
+    second = render_table({"trainers": {"peer/seed-1": trainer, "draftsmith/seed-0": trainer,
+                                        "peer/seed-0": slower, "draftsmith/seed-1": trainer},
                            "vllm": {"draftsmith/seed-0": figures, "peer/seed-0": peer,
                                     "draftsmith/seed-1": figures, "peer/seed-1": figures}})
     assert "| peer | not resolved | 2.00x / 1.00x |" in second  # seed 1: the same head
+    rows = [line.split(" | ")[:2] for line in second.splitlines()[2:6]]
+    assert rows == [["| draftsmith", "0"], ["| peer", "0"], ["| draftsmith", "1"],
+                    ["| peer", "1"]]  # seed by seed, ours first, whatever order they ran in
     assert second.endswith("Trained at commit unrecorded on unrecorded (4 runs); measured in "
                            "vLLM at commit unrecorded on unrecorded (4 heads).")
     where = {"commit": "abc1234", "hardware": "2 x CPU (avx2)"}
