@@ -103,8 +103,7 @@ def train_ours(cfg, log=print) -> dict:
     return {"folder": str(exported.folder), "wall_seconds": seconds,
             "step_seconds": summary.train_seconds, "step_tokens": summary.tokens,
             "optimizer_steps": summary.optimizer_steps, "resumed_from": summary.resumed_from,
-            "step_rates": our_step_rates(run_folder(cfg).train_log),
-            **trained_where(run_folder(cfg).draft)}
+            "step_rates": our_step_rates(run_folder(cfg).train_log)}
 
 
 def trained_where(draft_folder: Path) -> dict:
@@ -321,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
                 os.execv(sys.executable, [sys.executable, "-m", "benchmarks.side_by_side",
                                           *argv])
-        if "commit" not in trained[f"draftsmith/seed-{seed}"]:  # trained before it was kept here
-            trained[f"draftsmith/seed-{seed}"].update(trained_where(run_folder(cfg).draft))
+        trained[f"draftsmith/seed-{seed}"].update(trained_where(run_folder(cfg).draft))
         bf16 = accelerator_kwargs(cfg)["mixed_precision"] == "bf16"  # as our trainer resolves it
         head = heads[f"draftsmith/seed-{seed}"] = Path(trained[f"draftsmith/seed-{seed}"]["folder"])
         draft_ids = head_vocabulary(head) if kind == "eagle3" else None
